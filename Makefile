@@ -1,0 +1,33 @@
+# Two commands on a fresh clone: `make demo` and `make test`. Both create .venv when missing.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: demo test install proto bench clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q "pip<26"
+	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/dgr2 demo --config configs/demo.yaml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests
+
+proto: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=proto --grpc_python_out=proto \
+		--pyi_out=proto proto/diffusion_gr2/v1/reranker.proto
+
+bench: $(STAMP)
+	$(BIN)/dgr2 bench
+
+clean:
+	rm -rf artifacts/demo

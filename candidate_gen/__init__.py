@@ -1,0 +1,1 @@
+"""Candidate generation: RecBole atomic data, SASRec retriever, FAISS index, candidate lists."""

@@ -1,0 +1,209 @@
+"""RecBole atomic files (`<name>.inter`, `<name>.item`): strict loading and atomic writing.
+
+RecBole itself is forgiving about malformed rows (it lets pandas guess); a retrieval stack is not.
+Every problem is reported with the file, the line number and the field, so a user can fix the data
+instead of reading a pandas traceback. Duplicate (user, item, timestamp) rows are reported, then
+dropped: they are the common artefact of concatenating crawls.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+INTER_REQUIRED = ("user_id", "item_id", "timestamp")
+ITEM_REQUIRED = ("item_id",)
+ITEM_OPTIONAL = ("title", "brand", "categories")
+
+
+class AtomicFormatError(ValueError):
+    """A malformed atomic file. The message names file, line and field."""
+
+
+@dataclass
+class Interactions:
+    users: list[str]
+    items: list[str]
+    timestamps: list[float]
+    source: str = ""
+    dropped_duplicates: int = 0
+
+    def __len__(self) -> int:
+        return len(self.users)
+
+
+@dataclass
+class ItemTable:
+    """Item metadata keyed by raw item id. Missing columns are empty strings / lists."""
+
+    titles: dict[str, str] = field(default_factory=dict)
+    brands: dict[str, str] = field(default_factory=dict)
+    categories: dict[str, list[str]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.titles)
+
+    def __contains__(self, item: str) -> bool:
+        return item in self.titles
+
+    def to_frame(self):
+        import pandas as pd
+
+        ids = list(self.titles)
+        return pd.DataFrame(
+            {
+                "item_id": ids,
+                "title": [self.titles[i] for i in ids],
+                "brand": [self.brands.get(i, "") for i in ids],
+                "categories": [self.categories.get(i, []) for i in ids],
+            }
+        )
+
+
+def find_atomic_file(data_dir: str | os.PathLike, suffix: str) -> Path:
+    """The single `*.{suffix}` file in `data_dir` (the dataset name is whatever the user chose)."""
+    d = Path(data_dir)
+    if not d.is_dir():
+        raise AtomicFormatError(f"{d}: data directory does not exist")
+    found = sorted(d.glob(f"*.{suffix}"))
+    if not found:
+        raise AtomicFormatError(f"{d}: no *.{suffix} file found (RecBole atomic format expected)")
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found)
+        raise AtomicFormatError(f"{d}: several *.{suffix} files ({names}); pass one directory per dataset")
+    return found[0]
+
+
+def _read_header(path: Path, lines: list[str], required: tuple[str, ...]) -> dict[str, int]:
+    if not lines or not lines[0].strip():
+        raise AtomicFormatError(f"{path}: line 1: empty file (a header row `name:type` is required)")
+    cols = {}
+    for pos, spec in enumerate(lines[0].rstrip("\n\r").split("\t")):
+        name = spec.split(":", 1)[0].strip()
+        cols[name] = pos
+    for name in required:
+        if name not in cols:
+            raise AtomicFormatError(
+                f"{path}: line 1: missing required column '{name}' (header has: {', '.join(cols)})"
+            )
+    return cols
+
+
+def _read_lines(path: Path) -> list[str]:
+    if not path.exists():
+        raise AtomicFormatError(f"{path}: file not found")
+    with open(path, encoding="utf-8") as f:
+        return f.readlines()
+
+
+def load_interactions(path: str | os.PathLike) -> Interactions:
+    """Load a `.inter` file; raises AtomicFormatError naming file, line and field."""
+    path = Path(path)
+    lines = _read_lines(path)
+    cols = _read_header(path, lines, INTER_REQUIRED)
+    n_cols = len(lines[0].rstrip("\n\r").split("\t"))
+    iu, ii, it = cols["user_id"], cols["item_id"], cols["timestamp"]
+    users, items, times = [], [], []
+    seen: dict[tuple[str, str, float], int] = {}
+    dups = 0
+    for lineno, raw in enumerate(lines[1:], start=2):
+        line = raw.rstrip("\n\r")
+        if not line.strip():
+            continue
+        parts = line.split("\t")
+        if len(parts) != n_cols:
+            raise AtomicFormatError(
+                f"{path}: line {lineno}: expected {n_cols} tab-separated columns, found {len(parts)}"
+            )
+        u, i, ts = parts[iu].strip(), parts[ii].strip(), parts[it].strip()
+        if not u:
+            raise AtomicFormatError(f"{path}: line {lineno}: field 'user_id' is empty")
+        if not i:
+            raise AtomicFormatError(f"{path}: line {lineno}: field 'item_id' is empty")
+        try:
+            t = float(ts)
+        except ValueError:
+            raise AtomicFormatError(
+                f"{path}: line {lineno}: field 'timestamp': cannot parse {ts!r} as a number"
+            ) from None
+        if not math.isfinite(t):
+            raise AtomicFormatError(f"{path}: line {lineno}: field 'timestamp': {ts!r} is not finite")
+        key = (u, i, t)
+        if key in seen:
+            dups += 1
+            if dups <= 5:
+                log.warning("%s: line %d duplicates line %d (user %s, item %s, timestamp %s); dropped",
+                            path, lineno, seen[key], u, i, ts)
+            continue
+        seen[key] = lineno
+        users.append(u)
+        items.append(i)
+        times.append(t)
+    if not users:
+        raise AtomicFormatError(f"{path}: empty file (header only, no interactions)")
+    if dups:
+        log.warning("%s: %d duplicate (user, item, timestamp) rows dropped", path, dups)
+    return Interactions(users, items, times, source=str(path), dropped_duplicates=dups)
+
+
+def load_items(path: str | os.PathLike) -> ItemTable:
+    """Load a `.item` file (item_id required; title, brand, categories optional)."""
+    path = Path(path)
+    lines = _read_lines(path)
+    cols = _read_header(path, lines, ITEM_REQUIRED)
+    n_cols = len(lines[0].rstrip("\n\r").split("\t"))
+    table = ItemTable()
+    for lineno, raw in enumerate(lines[1:], start=2):
+        line = raw.rstrip("\n\r")
+        if not line.strip():
+            continue
+        parts = line.split("\t")
+        if len(parts) != n_cols:
+            raise AtomicFormatError(
+                f"{path}: line {lineno}: expected {n_cols} tab-separated columns, found {len(parts)}"
+            )
+        item = parts[cols["item_id"]].strip()
+        if not item:
+            raise AtomicFormatError(f"{path}: line {lineno}: field 'item_id' is empty")
+        if item in table.titles:
+            raise AtomicFormatError(f"{path}: line {lineno}: field 'item_id': {item!r} listed twice")
+        table.titles[item] = parts[cols["title"]].strip() if "title" in cols else ""
+        table.brands[item] = parts[cols["brand"]].strip() if "brand" in cols else ""
+        table.categories[item] = parts[cols["categories"]].split() if "categories" in cols else []
+    if not table.titles:
+        raise AtomicFormatError(f"{path}: empty file (header only, no items)")
+    return table
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write text to a temp file beside `path`, then rename: readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_interactions(path, users, items, timestamps) -> None:
+    rows = ["user_id:token\titem_id:token\ttimestamp:float"]
+    rows += [f"{u}\t{i}\t{float(t)!r}" for u, i, t in zip(users, items, timestamps)]
+    atomic_write_text(path, "\n".join(rows) + "\n")
+
+
+def write_items(path, table: ItemTable) -> None:
+    rows = ["item_id:token\ttitle:token_seq\tbrand:token\tcategories:token_seq"]
+    for item, title in table.titles.items():
+        cats = " ".join(table.categories.get(item, []))
+        rows.append(f"{item}\t{title}\t{table.brands.get(item, '')}\t{cats}")
+    atomic_write_text(path, "\n".join(rows) + "\n")

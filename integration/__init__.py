@@ -1,0 +1,1 @@
+"""End-to-end pipeline, CLI, RecBole embedding and benchmark report."""

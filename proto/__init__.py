@@ -1,0 +1,1 @@
+"""Protocol buffers for the gRPC service (sources and generated stubs)."""
