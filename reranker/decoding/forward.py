@@ -1,0 +1,88 @@
+"""The one forward helper both decoders (and replay) use, plus token choice and the commit rule.
+
+Keeping a single code path for "run these columns against this cache under this mask" is what
+makes B = 1 block diffusion reproduce AR decoding token for token, and replay reproduce decoding
+(log-probs within float32 round-off).
+"""
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+
+def _cache_kwarg(model):
+    """transformers 5.x renamed `past_key_values` to `cache` (the old name warns, then goes away)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def new_cache(model):
+    """An empty KV cache. Our masks encode full (not sliding-window) attention, so refuse
+    configs with other layer types rather than decode them subtly wrong."""
+    types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
+    if any(t != "full_attention" for t in types):
+        raise NotImplementedError(f"only full-attention layers are supported, got {sorted(set(types))}")
+    return DynamicCache(config=model.config)
+
+
+def crop(cache, n):
+    """Drop the last n cached columns (transformers 5.x crop takes a negative count)."""
+    if n > 0:
+        cache.crop(-n)
+
+
+def select_rows(cache, idx):
+    """Keep only batch rows idx of the cache (finished rows stop costing compute)."""
+    cache.batch_select_indices(idx)
+
+
+def forward(model, input_ids, position_ids, mask, cache=None, logits_to_keep=0):
+    """Logits (float32) for input_ids; grows `cache` in place by input_ids.shape[1] columns.
+
+    mask: additive float (b, 1, q, cached + q) or boolean 'allowed' of that shape; it is cast to
+    the model dtype here (sdpa wants the mask in the query dtype).
+    """
+    dtype = model.dtype
+    if mask.dtype == torch.bool:
+        mask = torch.where(mask, torch.zeros((), dtype=dtype), torch.finfo(dtype).min)
+    elif mask.dtype != dtype:
+        mask = torch.where(mask < 0, torch.finfo(dtype).min, torch.zeros((), dtype=dtype))
+    kwargs = {_cache_kwarg(model): cache} if cache is not None else {}
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask.to(input_ids.device),
+                use_cache=cache is not None, logits_to_keep=logits_to_keep, **kwargs)
+    return out.logits.float()
+
+
+def pick_tokens(logits, temperature=0.0, top_p=1.0, generator=None):
+    """Choose a token per position. Returns (tokens, logprobs, probs) where logprobs/probs are
+    those of the chosen token under softmax(logits / T) (T = 1 for greedy, before any top-p
+    truncation), i.e. the quantity replay recomputes for RL importance ratios."""
+    T = temperature if temperature > 0 else 1.0
+    logp = torch.log_softmax(logits / T, -1)
+    if temperature <= 0:
+        tokens = logp.argmax(-1)
+    else:
+        p = logp.exp()
+        if top_p < 1.0:
+            sp, si = p.sort(-1, descending=True)
+            drop = sp.cumsum(-1) - sp > top_p  # keep the smallest prefix with mass >= top_p
+            p = torch.zeros_like(p).scatter(-1, si, sp.masked_fill(drop, 0.0))
+        flat = p.reshape(-1, p.shape[-1])
+        tokens = torch.multinomial(flat, 1, generator=generator).view(p.shape[:-1])
+    lp = logp.gather(-1, tokens[..., None]).squeeze(-1)
+    return tokens, lp, lp.exp()
+
+
+def commit_confident(confidence, eligible, tau, force_all=False):
+    """Which positions to commit this step: every eligible (still masked) position whose confidence
+    is >= tau, plus the single most confident eligible position per row (progress guarantee).
+
+    confidence: (b, B) float (probability of the chosen token); eligible: (b, B) bool.
+    force_all commits every eligible position (used at the last allowed step of a block).
+    """
+    if force_all:
+        return eligible.clone()
+    conf = confidence.masked_fill(~eligible, -1.0)
+    commit = eligible & (conf >= tau)
+    best = conf.argmax(-1, keepdim=True)
+    forced = torch.zeros_like(eligible).scatter(-1, best, True) & eligible
+    return commit | forced

@@ -1,0 +1,77 @@
+"""Model building, loading and saving: a small Qwen3-architecture causal LM, or any local HF checkpoint.
+
+Everything downstream (SFT, conversion, decoding, RL) only assumes "a Hugging Face causal LM with
+full attention that accepts position_ids, a 4D additive mask and a DynamicCache", so a real local
+Qwen3 directory works unchanged in place of the small default.
+"""
+import copy
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+# "cpu": ~4-6M parameters (with a few-thousand-token SID vocabulary), the default for CPU profiles.
+# "tiny": for tests only.
+SIZES = {
+    "cpu": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=64, intermediate_size=704, max_position_embeddings=1024),
+    "tiny": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                 head_dim=16, intermediate_size=64, max_position_embeddings=256),
+}
+
+
+def build_model(vocab_size, size="cpu", pad_token_id=None, eos_token_id=None, bos_token_id=None,
+                seed=0, attn_implementation="sdpa"):
+    """A freshly initialised Qwen3ForCausalLM. `size` is "cpu", "tiny" or a dict of Qwen3Config
+    fields (a dict overrides the "cpu" defaults)."""
+    fields = dict(SIZES["cpu"], **size) if isinstance(size, dict) else dict(SIZES[size])
+    fields.setdefault("tie_word_embeddings", True)
+    config = Qwen3Config(vocab_size=vocab_size, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+                         bos_token_id=bos_token_id, use_sliding_window=False, **fields)
+    config._attn_implementation = attn_implementation
+    with torch.random.fork_rng():  # seeded init without disturbing the caller's RNG stream
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(copy.deepcopy(config))
+    return model.float()
+
+
+def load_model(path, dtype=None, attn_implementation=None, device=None):
+    """Load any local HF causal-LM directory (never touches the network)."""
+    kwargs = dict(local_files_only=True)
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    return model.to(device) if device is not None else model
+
+
+def save_model(model, tokenizer, path):
+    """save_pretrained (safetensors) into a sibling temp dir, then rename into place, so a crash
+    never leaves a half-written model directory behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    model.save_pretrained(str(tmp))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp))
+    old = None
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(path, old)
+    os.rename(tmp, path)
+    if old is not None:
+        shutil.rmtree(old)
+    return path
+
+
+def resize_for_tokenizer(model, tokenizer):
+    """Grow the embedding matrix (and a tied head) if the tokenizer has more tokens than rows.
+    Never shrinks: real checkpoints (e.g. Qwen3) keep spare rows beyond len(tokenizer)."""
+    n = len(tokenizer)
+    if n > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(n, mean_resizing=False)
+    return model

@@ -1,0 +1,125 @@
+"""AR decoder == HF generate; block diffusion with B = 1 == AR; cached block step == training mask."""
+import pytest
+import torch
+
+from reranker.decoding import ar_decode, commit_confident, diffusion_decode
+from reranker.decoding.diffusion import block_step, prefill
+from reranker.decoding.forward import forward
+from reranker.masks import diffusion_training_mask, left_pad
+from reranker.model import SIZES, build_model
+
+torch.set_num_threads(1)
+V, PAD, EOS, MASK = 40, 0, 1, 39
+
+
+def model_for(attn):
+    # a larger init makes the random model's distributions peaked: no near-ties in greedy tests
+    return build_model(V, dict(SIZES["tiny"], initializer_range=0.3), pad_token_id=PAD, eos_token_id=EOS,
+                       attn_implementation=attn).eval()
+
+
+def prompts_for(seed=0, lens=(5, 9, 1, 7)):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, MASK, (n,), generator=g).tolist() for n in lens]
+
+
+def frequent_token(model, prompts):
+    """A token the random model emits often: used as EOS so that some rows stop early."""
+    out = ar_decode(model, prompts, 12, eos_token_id=-1).tokens
+    return torch.tensor(sum((t[2:] for t in out), [])).mode().values.item()
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_ar_greedy_matches_generate(attn):
+    model, prompts = model_for(attn), prompts_for()
+    eos = frequent_token(model, prompts)
+    res = ar_decode(model, prompts, 16, eos_token_id=eos, pad_token_id=PAD)
+    ids, plen = left_pad(prompts, PAD)
+    attn_mask = (torch.arange(ids.shape[1])[None] >= (ids.shape[1] - plen)[:, None]).long()
+    gen = model.generate(input_ids=ids, attention_mask=attn_mask, do_sample=False, max_new_tokens=16,
+                         pad_token_id=PAD, eos_token_id=eos)[:, ids.shape[1]:]
+    assert any(len(t) < 16 for t in res.tokens)  # EOS did stop some row
+    for row, ref in zip(res.tokens, gen.tolist()):
+        assert row == ref[:len(row)]
+        assert row[-1] == eos or len(row) == 16
+    assert all(len(lp) == len(t) and (lp <= 0).all() for lp, t in zip(res.logprobs, res.tokens))
+
+
+def test_ar_sampling_is_seeded():
+    model, prompts = model_for("sdpa"), prompts_for()
+    a = ar_decode(model, prompts, 8, EOS, temperature=0.8, top_p=0.9, generator=torch.Generator().manual_seed(5))
+    b = ar_decode(model, prompts, 8, EOS, temperature=0.8, top_p=0.9, generator=torch.Generator().manual_seed(5))
+    assert a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs))
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_block_size_one_reproduces_ar(attn):
+    model, prompts = model_for(attn), prompts_for(1)
+    eos = frequent_token(model, prompts)
+    ar = ar_decode(model, prompts, 14, eos_token_id=eos)
+    dd = diffusion_decode(model, prompts, 14, 1, MASK, eos, tau=0.9)
+    assert dd.tokens == ar.tokens
+    for tr, lp in zip(dd.trajectories, ar.logprobs):
+        torch.testing.assert_close(tr.logprobs[:tr.length], lp, atol=1e-5, rtol=0)
+        assert (tr.steps[:tr.length] == 0).all()
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_cached_block_step_equals_training_forward(attn):
+    """Prefill + (fused) clean-window writes + one noisy step == the [clean ; noisy] training forward."""
+    model = model_for(attn)
+    B, n = 4, 3
+    prompts = prompts_for(2, (6, 3))
+    g = torch.Generator().manual_seed(3)
+    y = torch.randint(3, MASK, (2, n * B), generator=g)
+    hide = torch.rand(2, n * B, generator=g) < 0.5
+    ids, plen = left_pad(prompts, PAD)
+    P = ids.shape[1]
+    clean = torch.cat([ids, y[:, :-1]], 1)
+    noisy = clean[:, P - 1:].clone()
+    noisy[hide & (torch.arange(n * B) % B != 0)] = MASK
+    mask, pos = diffusion_training_mask(plen, torch.tensor([n * B] * 2), B, 1)
+    with torch.no_grad():
+        ref = forward(model, torch.cat([clean, noisy], 1), pos, mask)[:, P - 1 + n * B:]
+        cache, cblk, cvalid, _ = prefill(model, ids, plen)
+        pending = None
+        for k in range(n):
+            wpos = pos[:, P - 1 + k * B:P - 1 + (k + 1) * B]
+            logits, cblk, cvalid = block_step(model, cache, cblk, cvalid, noisy[:, k * B:(k + 1) * B], wpos,
+                                              P - 1 + k, pending)
+            torch.testing.assert_close(logits, ref[:, k * B:(k + 1) * B], atol=1e-5, rtol=0)
+            pending = (clean[:, P - 1 + k * B:P - 1 + (k + 1) * B], wpos, P - 1 + k)
+            assert cache.get_seq_length() == P - 1 + k * B
+
+
+def test_commit_confident():
+    conf = torch.tensor([[0.95, 0.2, 0.91, 0.5], [0.1, 0.3, 0.2, 0.99], [0.5, 0.6, 0.7, 0.8]])
+    elig = torch.tensor([[True, True, True, True], [True, True, True, False], [False] * 4])
+    out = commit_confident(conf, elig, 0.9)
+    assert out.tolist() == [[True, False, True, False], [False, True, False, False], [False] * 4]
+    assert commit_confident(conf, elig, 0.9, force_all=True).tolist() == elig.tolist()
+
+
+def test_diffusion_decoder_bookkeeping():
+    model, prompts = model_for("sdpa"), prompts_for(4)
+    eos = frequent_token(model, prompts)
+    B, max_new = 4, 15
+    res = diffusion_decode(model, prompts, max_new, B, MASK, eos, tau=1.1)  # tau > 1: one commit per step
+    assert all(s == min(B, max_new - i * B) for spb in res.steps_per_block for i, s in enumerate(spb)
+               if i < len(spb) - 1)
+    for toks, tr in zip(res.tokens, res.trajectories):
+        assert len(toks) == tr.length <= max_new and (toks[-1] == eos or len(toks) == max_new)
+        assert eos not in toks[:-1]
+        assert torch.equal(tr.tokens[:tr.length], torch.tensor(toks))
+        assert tr.committed[:tr.length].all() and len(tr.tokens) % B == 0
+        for k in range(len(tr.tokens) // B):  # one commit per step: steps form a permutation prefix
+            st = tr.steps[k * B:(k + 1) * B]
+            assert sorted(st[st >= 0].tolist()) == list(range(int((st >= 0).sum())))
+    assert res.n_forward == 1 + res.n_steps
+    capped = diffusion_decode(model, prompts, max_new, B, MASK, eos, tau=1.1, max_steps_per_block=2)
+    assert max(max(s) for s in capped.steps_per_block) <= 2
+    sampled = diffusion_decode(model, prompts, max_new, B, MASK, eos, tau=0.5, temperature=1.0,
+                               generator=torch.Generator().manual_seed(0))
+    again = diffusion_decode(model, prompts, max_new, B, MASK, eos, tau=0.5, temperature=1.0,
+                             generator=torch.Generator().manual_seed(0))
+    assert sampled.tokens == again.tokens
