@@ -38,6 +38,44 @@ def cmd_retrieve(args) -> int:
     cfg = load_config(args.config)
     res = run_retrieval(_retrieval_settings(cfg, args.data, args.out))
     print(format_retrieval(res))
+    if args.results:
+        from .results import write_result
+
+        write_result(args.results, res, "dgr2 " + " ".join(sys.argv[1:]))
+        print(f"results written to {args.results}")
+    return 0
+
+
+def cmd_results(args) -> int:
+    """Export an existing artifacts directory's metrics.json as a docs/results file."""
+    from .results import write_result
+
+    metrics = json.loads((Path(args.artifacts) / "metrics.json").read_text())
+    write_result(args.out, metrics, args.command)
+    print(f"results written to {args.out}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import build_benchmarks
+
+    print(f"wrote {build_benchmarks()}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """The main job on the embedded synthetic default (retrieval and candidates for now)."""
+    import time
+
+    from candidate_gen.retrieve import run_retrieval
+
+    t0 = time.time()
+    cfg = load_config(args.config)
+    settings = _retrieval_settings(cfg, None, None)
+    res = run_retrieval(settings)
+    print()
+    print(format_retrieval(res))
+    print(f"\nartifacts: {settings.out}  ({time.time() - t0:.0f} s)")
     return 0
 
 
@@ -61,7 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--config", required=True)
     r.add_argument("--data", help="directory with <name>.inter / <name>.item (overrides the config)")
     r.add_argument("--out", help="artifacts directory (overrides the config)")
+    r.add_argument("--results", help="also write the metrics to this docs/results JSON file")
     r.set_defaults(func=cmd_retrieve)
+    x = sub.add_parser("results", help="export an artifacts dir's metrics.json to docs/results")
+    x.add_argument("--artifacts", required=True)
+    x.add_argument("--out", required=True)
+    x.add_argument("--command", required=True, help="the command that produced the artifacts")
+    x.set_defaults(func=cmd_results)
+    b = sub.add_parser("bench", help="rebuild docs/BENCHMARKS.md from docs/results/*.json")
+    b.set_defaults(func=cmd_bench)
+    d = sub.add_parser("demo", help="run the main job on the embedded synthetic default")
+    d.add_argument("--config", default="configs/demo.yaml")
+    d.set_defaults(func=cmd_demo)
     return p
 
 
