@@ -79,6 +79,30 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from reranker.engine import DecodeOptions
+    from reranker.evaluate import evaluate_dirs, format_report
+
+    opts = DecodeOptions(decoder=args.decoder, tau=args.tau, block_size=args.block_size,
+                         max_new_tokens=args.max_new_tokens)
+    rep = evaluate_dirs(args.model, args.data, args.split, opts, args.batch_size, args.limit)
+    print(format_report(rep))
+    if args.out:
+        from .results import write_result
+
+        write_result(args.out, rep, "dgr2 " + " ".join(sys.argv[1:]))
+        print(f"results written to {args.out}")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from reranker.convert import convert_to_diffusion
+
+    convert_to_diffusion(args.src, args.dst, block_size=args.block_size)
+    print(f"converted {args.src} -> {args.dst} (block size {args.block_size})")
+    return 0
+
+
 def format_retrieval(res: dict) -> str:
     keys = ["recall@10", "ndcg@10", "recall@10_masked", "ndcg@10_masked", "recall@50_masked",
             "faiss_recbole_top10_agreement", "hnsw_recall@10", "test_users_target_in_top10",
@@ -108,6 +132,23 @@ def build_parser() -> argparse.ArgumentParser:
     x.set_defaults(func=cmd_results)
     b = sub.add_parser("bench", help="rebuild docs/BENCHMARKS.md from docs/results/*.json")
     b.set_defaults(func=cmd_bench)
+    e = sub.add_parser("eval", help="re-rank a split with a model and report metrics with CIs")
+    e.add_argument("--model", required=True, help="model directory (AR or converted diffusion)")
+    e.add_argument("--data", required=True, help="re-ranking data directory (dgr2 data build)")
+    e.add_argument("--split", default="test", choices=["train", "valid", "test"])
+    e.add_argument("--decoder", default="ar", choices=["ar", "diffusion"])
+    e.add_argument("--tau", type=float, default=0.9)
+    e.add_argument("--block-size", type=int, default=None)
+    e.add_argument("--max-new-tokens", type=int, default=320)
+    e.add_argument("--batch-size", type=int, default=8)
+    e.add_argument("--limit", type=int, default=None, help="evaluate the first N examples only")
+    e.add_argument("--out", help="write the report to this docs/results JSON file")
+    e.set_defaults(func=cmd_eval)
+    c = sub.add_parser("convert", help="convert an AR model directory into a block-diffusion model")
+    c.add_argument("--from", dest="src", required=True)
+    c.add_argument("--to", dest="dst", required=True)
+    c.add_argument("--block-size", type=int, default=32)
+    c.set_defaults(func=cmd_convert)
     d = sub.add_parser("demo", help="run the main job on the embedded synthetic default")
     d.add_argument("--config", default="configs/demo.yaml")
     d.set_defaults(func=cmd_demo)

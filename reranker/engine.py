@@ -1,0 +1,179 @@
+"""The re-ranking engine: request -> prompt -> (AR | block-diffusion) decode -> validated permutation.
+
+One object shared by evaluation (`dgr2 eval`), the gRPC service and the RecBole model class, so all
+three render the same prompt, decode with the same code and apply the same fallback: an answer that
+does not parse to a valid permutation returns the retriever order with `fallback=True`.
+
+It needs a model directory (HF causal LM + tokenizer; a converted model carries its diffusion
+fields in config.json) and a re-ranking data directory (`dgr2 data build`): the item <-> SID map,
+and, through build_info.json, the retrieval artifacts and item file from which the collaborative
+evidence (co-purchase counts on the training split) is rebuilt.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .answer import parse_ranking, permutation_or_fallback
+from .convert import load_diffusion_config
+from .decoding.ar import ar_decode
+from .decoding.diffusion import diffusion_decode
+from .evidence import CoPurchaseCounts, candidates_evidence
+from .prompt import render_prompt_within_budget
+from .sid import SemanticIds
+from .tokenizer import IM_END, THINK_CLOSE, THINK_OPEN
+
+DECODERS = ("ar", "diffusion")
+
+
+@dataclass
+class RerankRequest:
+    history: list[str]  # time ordered, oldest first
+    candidates: list[str]  # retriever order
+    scores: list[float] | None = None
+    user: str | None = None  # only used to leave the user's own pairs out of the co-purchase counts
+
+
+@dataclass
+class DecodeOptions:
+    decoder: str = "ar"
+    tau: float = 0.9
+    block_size: int | None = None  # None: the block size recorded in the converted model
+    temperature: float = 0.0
+    max_new_tokens: int = 320
+    max_steps_per_block: int | None = None
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.decoder not in DECODERS:
+            raise ValueError(f"decoder must be one of {DECODERS}, got {self.decoder!r}")
+        if not (0.0 < self.tau <= 1.0) or math.isnan(self.tau):
+            raise ValueError(f"tau must be in (0, 1], got {self.tau}")
+        if self.block_size is not None and not (1 <= self.block_size <= 256):
+            raise ValueError(f"block_size must be in [1, 256], got {self.block_size}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class RerankResult:
+    permutation: list[int]  # candidate indices, best first (always a valid permutation)
+    valid: bool  # the model's own answer parsed to a valid permutation
+    fallback: bool  # the retriever order was returned instead
+    failure: str | None  # unparsable | out_of_set | duplicate | dropped
+    reasoning: str
+    text: str
+    generated_tokens: int
+    forward_passes: int  # forward passes of the batched decode this request was part of
+    decode_seconds: float
+    extra: dict = field(default_factory=dict)
+
+
+def split_reasoning(text: str) -> str:
+    m = re.search(re.escape(THINK_OPEN) + r"(.*?)" + re.escape(THINK_CLOSE), text, flags=re.S)
+    return m.group(1).strip() if m else ""
+
+
+class RerankEngine:
+    def __init__(self, model, tokenizer, sids: SemanticIds, item_meta, copurchase: CoPurchaseCounts | None,
+                 profile: str = "cpu", max_prompt_tokens: int = 512):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.sids = sids
+        self.item_meta = item_meta
+        self.copurchase = copurchase
+        self.profile = profile
+        self.max_prompt_tokens = max_prompt_tokens
+        self.diffusion = load_diffusion_config(model)
+        self.eos_id = tokenizer.convert_tokens_to_ids(IM_END)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+
+    @classmethod
+    def load(cls, model_dir, data_dir, device: str = "cpu", profile: str | None = None) -> "RerankEngine":
+        from transformers import AutoTokenizer
+
+        from candidate_gen.atomic import load_items
+        from candidate_gen.split import train_sequences
+
+        from .evidence import item_meta_lookup
+        from .model import load_model
+
+        data_dir = Path(data_dir)
+        info_path = data_dir / "build_info.json"
+        if not info_path.exists():
+            raise FileNotFoundError(f"{info_path}: missing; build the re-ranking data with `dgr2 data build`")
+        info = json.loads(info_path.read_text())
+        base = data_dir
+        retrieval_dir = (base / info["retrieval_dir"]).resolve() if not Path(info["retrieval_dir"]).is_absolute() \
+            else Path(info["retrieval_dir"])
+        items_path = Path(info["items_path"])
+        if not items_path.is_absolute():
+            items_path = (base / items_path).resolve()
+        seqs = json.loads((retrieval_dir / "sequences.json").read_text())
+        copurchase = CoPurchaseCounts.fit(train_sequences(seqs), window=int(info.get("copurchase_window", 1)))
+        meta = item_meta_lookup(load_items(items_path).to_frame())
+        tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        model = load_model(model_dir, device=device)
+        return cls(model, tok, SemanticIds.load(data_dir / "sids.json"), meta, copurchase,
+                   profile or info.get("profile", "cpu"), int(info.get("max_prompt_tokens", 512)))
+
+    def known(self, item: str) -> bool:
+        return item in self.sids
+
+    def prompt_messages(self, req: RerankRequest) -> list[dict]:
+        unknown = [c for c in req.candidates if not self.known(c)]
+        if unknown:
+            raise ValueError(f"candidate item {unknown[0]!r} has no semantic ID in this model's catalog")
+        history = [h for h in req.history if self.known(h)]
+        evidence = None
+        if self.copurchase is not None:
+            evidence = candidates_evidence(history, req.candidates, self.item_meta, self.copurchase, req.user)
+        return render_prompt_within_budget(self.tokenizer, self.max_prompt_tokens, history, req.candidates,
+                                           self.sids, self.item_meta, evidence, profile=self.profile)
+
+    def prompt_ids(self, req: RerankRequest) -> list[int]:
+        text = self.tokenizer.apply_chat_template(self.prompt_messages(req), tokenize=False,
+                                                  add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, prompts: list[list[int]], options: DecodeOptions):
+        """Token ids per row and the number of forward passes (the raw decoder call)."""
+        gen = torch.Generator(device=self.model.device).manual_seed(options.seed)
+        if options.decoder == "ar":
+            res = ar_decode(self.model, prompts, options.max_new_tokens, self.eos_id, self.pad_id,
+                            temperature=options.temperature, generator=gen)
+            return res.tokens, res.n_forward, res
+        if self.diffusion is None:
+            raise ValueError("decoder 'diffusion' needs a converted model (dgr2 convert); this one is AR only")
+        block = options.block_size or int(self.diffusion["block_size"])
+        res = diffusion_decode(self.model, prompts, options.max_new_tokens, block,
+                               int(self.diffusion["mask_token_id"]), self.eos_id, self.pad_id, tau=options.tau,
+                               temperature=options.temperature, max_steps_per_block=options.max_steps_per_block,
+                               generator=gen)
+        return res.tokens, res.n_forward, res
+
+    def rerank(self, requests: list[RerankRequest], options: DecodeOptions | None = None) -> list[RerankResult]:
+        """Re-rank a batch in one batched decode. Never returns an invalid permutation."""
+        options = options or DecodeOptions()
+        options.validate()
+        prompts = [self.prompt_ids(r) for r in requests]
+        t0 = time.perf_counter()
+        tokens, n_forward, _ = self.decode(prompts, options)
+        seconds = time.perf_counter() - t0
+        out = []
+        for req, toks in zip(requests, tokens):
+            toks = [int(t) for t in toks]
+            text = self.tokenizer.decode(toks, skip_special_tokens=False)
+            text = text.split(IM_END, 1)[0]
+            parsed = parse_ranking(text, [self.sids.sid_string(c) for c in req.candidates])
+            out.append(RerankResult(
+                permutation=permutation_or_fallback(parsed, len(req.candidates)), valid=parsed.ok,
+                fallback=not parsed.ok, failure=parsed.failure, reasoning=split_reasoning(text), text=text,
+                generated_tokens=len(toks), forward_passes=n_forward, decode_seconds=seconds))
+        return out
