@@ -1,0 +1,298 @@
+"""SFT of the AR re-ranker on reasoning traces, with decoupled reasoning/answer loss weights.
+
+    loss = ( λ_r · Σ_reasoning −log p(x_t | x_<t)  +  λ_o · Σ_answer −log p(x_t | x_<t) ) / N
+
+where N is the number of supervised (response) tokens in the *global* batch and the prompt is
+not supervised. GR2 uses λ_r < λ_o: the answer is what is scored, the trace is a means.
+
+One optimizer step consumes one global batch of `batch_size` examples whatever the world size:
+each rank runs `grad_accum` micro-batches of batch_size / world / grad_accum examples. Every
+rank knows the whole global batch (the shuffled order is a function of seed and epoch), so it
+divides its loss by the global N itself, and DDP's gradient averaging times world_size gives
+exactly the 1-process gradient (see rank_micro_batches).
+
+The stage output is the model with the lowest validation loss (validated at the end of every
+epoch, and every `eval_every` steps if set).
+"""
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from reranker.stages.base import Stage, StageContext, StageResult
+from reranker.training import distributed as D
+from reranker.training.batches import collate, encode_examples, read_jsonl, weighted_nll
+from reranker.training.checkpoint import (Checkpointer, TrainState, capture_rng, fault_point, restore,
+                                          save_hf_dir)
+from reranker.training.logging import RunLogger
+from reranker.training.schedule import build_optimizer, build_scheduler, warmup_steps_from
+
+DEFAULTS = {
+    "train_file": "train.jsonl",  # relative to the data dir
+    "valid_file": "valid.jsonl",  # null or missing file: no validation, the last model is the output
+    "max_train_examples": None,
+    "max_valid_examples": None,
+    "max_len": 1024,  # prompt + response tokens; the prompt is cut from the left beyond it
+    "epochs": 3,
+    "max_steps": None,  # optional cap on optimizer steps
+    "batch_size": 16,  # global: examples per optimizer step, the same on any world size
+    "grad_accum": 1,
+    "micro_batch_size": None,  # per rank; when set, grad_accum = batch_size / (world * micro)
+    "eval_batch_size": 8,
+    "lr": 1e-3,
+    "min_lr_ratio": 0.1,
+    "warmup_ratio": 0.05,
+    "warmup_steps": None,  # overrides warmup_ratio
+    "weight_decay": 0.01,
+    "betas": [0.9, 0.95],
+    "eps": 1e-8,
+    "max_grad_norm": 1.0,  # null or 0: no clipping
+    "lambda_r": 0.5,  # weight of reasoning tokens
+    "lambda_o": 1.0,  # weight of answer tokens (from </think> on, and the end-of-turn token)
+    "allow_lambda_r_above_lambda_o": False,
+    "dtype": "float32",
+    "save_every": 50,  # optimizer steps between checkpoints (plus one after every validation)
+    "keep_checkpoints": 2,
+    "eval_every": None,  # extra validations every N steps (besides each epoch end)
+    "resume": True,
+}
+
+
+def check_config(cfg: dict) -> None:
+    lr_, lo = float(cfg["lambda_r"]), float(cfg["lambda_o"])
+    if lr_ < 0 or lo < 0 or lr_ + lo == 0:
+        raise ValueError(f"lambda_r and lambda_o must be >= 0 and not both 0, got {lr_}, {lo}")
+    if lr_ > lo and not cfg["allow_lambda_r_above_lambda_o"]:
+        raise ValueError(f"lambda_r ({lr_}) > lambda_o ({lo}): GR2 weights the answer at least as much as the "
+                         "reasoning; set allow_lambda_r_above_lambda_o: true to do this on purpose")
+    if int(cfg["batch_size"]) < 1 or int(cfg["epochs"]) < 0:
+        raise ValueError("batch_size must be >= 1 and epochs >= 0")
+
+
+def accumulation(cfg: dict, world_size: int) -> tuple[int, int]:
+    """(grad_accum, per-rank micro-batch size) for this world size."""
+    g = int(cfg["batch_size"])
+    if cfg.get("micro_batch_size"):
+        m = int(cfg["micro_batch_size"])
+        if g % (world_size * m):
+            raise ValueError(f"batch_size {g} is not a multiple of world_size {world_size} x micro_batch_size {m}")
+        return g // (world_size * m), m
+    a = int(cfg["grad_accum"])
+    if g % (world_size * a):
+        raise ValueError(f"batch_size {g} is not a multiple of world_size {world_size} x grad_accum {a}")
+    return a, g // (world_size * a)
+
+
+def _to(batch: dict, device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _forward(model, b: dict) -> torch.Tensor:
+    return model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                 position_ids=b["position_ids"], use_cache=False).logits
+
+
+@torch.no_grad()
+def evaluate(model, examples, pad_id: int, lambda_r: float, lambda_o: float, batch_size: int,
+             device, rank: int = 0, world_size: int = 1) -> dict:
+    """Weighted loss (the training objective), per-token NLL and answer-only NLL over the whole
+    set; each rank scores a strided shard and the sums are all-reduced."""
+    was_training = model.training
+    model.eval()
+    mine = D.shard(list(range(len(examples))), rank, world_size)
+    mine.sort(key=lambda i: len(examples[i].input_ids))  # less padding; sums do not depend on order
+    sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # weighted, tokens, nll, answer nll, answer tokens
+    for s in range(0, len(mine), batch_size):
+        b = _to(collate([examples[i] for i in mine[s:s + batch_size]], pad_id, lambda_r, lambda_o), device)
+        loss_sum, st = weighted_nll(_forward(model, b), b["labels"], b["loss_weights"], b["answer_mask"])
+        parts = [float(loss_sum), st["tokens"], st["nll_sum"], st["answer_nll_sum"], st["answer_tokens"]]
+        sums = [x + y for x, y in zip(sums, parts)]
+    w, n, nll, anll, an = D.all_reduce_sum(sums, device)
+    model.train(was_training)
+    return {"loss": w / max(n, 1), "nll": nll / max(n, 1), "answer_nll": anll / max(an, 1), "tokens": n}
+
+
+def train_sft(ctx: StageContext) -> StageResult:
+    cfg = ctx.config
+    check_config(cfg)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = torch.device(ctx.device)
+    rank, world = ctx.rank, ctx.world_size
+    # Distinct per-rank streams for anything stochastic in the model (dropout); data order
+    # never touches the global RNG.
+    torch.manual_seed(ctx.seed * 1000 + rank)
+
+    tok = AutoTokenizer.from_pretrained(str(ctx.input_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(ctx.input_dir), dtype=getattr(torch, cfg["dtype"]),
+                                                 local_files_only=True).to(device)
+    model.train()
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    max_len = int(cfg["max_len"])
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos:
+        max_len = min(max_len, int(max_pos))
+    lam_r, lam_o = float(cfg["lambda_r"]), float(cfg["lambda_o"])
+
+    data_dir = Path(ctx.data_dir) if ctx.data_dir is not None else Path(".")
+    train_records = read_jsonl(data_dir / cfg["train_file"], cfg["max_train_examples"])
+    train, train_stats = encode_examples(tok, train_records, max_len)
+    valid = []
+    if cfg["valid_file"] and (data_dir / cfg["valid_file"]).is_file():
+        valid, _ = encode_examples(tok, read_jsonl(data_dir / cfg["valid_file"], cfg["max_valid_examples"]), max_len)
+    elif cfg["valid_file"] and ctx.is_main:
+        print(f"{ctx.name}: no {cfg['valid_file']} in the data dir: no validation, the last model is the output",
+              flush=True)
+
+    G = int(cfg["batch_size"])
+    accum, micro = accumulation(cfg, world)
+    steps_per_epoch = len(train) // G
+    if steps_per_epoch == 0:
+        raise ValueError(f"{len(train)} training examples, fewer than one global batch of {G}")
+    total = int(cfg["epochs"]) * steps_per_epoch
+    if cfg["max_steps"] is not None:
+        total = min(total, int(cfg["max_steps"]))
+
+    opt = build_optimizer(model, float(cfg["lr"]), float(cfg["weight_decay"]), cfg["betas"], float(cfg["eps"]))
+    sched = build_scheduler(opt, warmup_steps_from(cfg, total), max(total, 1), float(cfg["min_lr_ratio"]))
+    tag = (ctx.config_hash or "0")[:16]
+    ckpt = Checkpointer(Path(ctx.run_dir) / "checkpoints", tag, int(cfg["keep_checkpoints"]))
+
+    state = TrainState()
+    loaded = ckpt.load_latest() if cfg["resume"] else None
+    if loaded is not None:
+        state = restore(loaded, model, opt, sched, rank, world)
+        del loaded
+    elif ctx.is_main and Path(ctx.output_dir).exists():
+        # Fresh start: whatever a stale attempt left in the .partial dir is not ours.
+        for p in Path(ctx.output_dir).iterdir():
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    D.barrier()
+
+    log = RunLogger(ctx.run_dir, enabled=ctx.is_main, progress=ctx.progress and ctx.is_main, total=total,
+                    initial=state.step, desc=ctx.name, resume_step=state.step, resume_rows=state.metrics_rows)
+    if state.step > 0:
+        log.message(f"{ctx.name}: resuming at step {state.step}/{total} "
+                    f"(epoch {state.epoch}, batch {state.batch_in_epoch})")
+    else:
+        log.log(0, "data", {**train_stats, "valid_examples": len(valid), "world_size": world,
+                            "grad_accum": accum, "micro_batch_size": micro, "total_steps": total})
+        if train_stats["prompt_truncated_examples"] or train_stats["response_truncated_examples"]:
+            log.message(f"{ctx.name}: truncated to max_len={max_len}: "
+                        f"{train_stats['prompt_truncated_examples']} prompts (from the left), "
+                        f"{train_stats['response_truncated_examples']} responses of {len(train)}")
+    env = D.init_distributed("cuda" if device.type == "cuda" else "cpu")  # joined already by the runner
+    if env.world_size != world:
+        raise RuntimeError(f"context says world_size {world}, the process group has {env.world_size}")
+    ddp = D.wrap_ddp(model, env)
+
+    started = time.perf_counter()
+    seconds_before = state.train_seconds
+    resumed_from = state.step
+
+    def snapshot():
+        state.train_seconds = seconds_before + time.perf_counter() - started
+        state.metrics_rows = log.rows_written
+        rngs = D.all_gather_object(capture_rng())
+        if ctx.is_main:
+            ckpt.save(state, model, opt, sched, rngs)
+        D.barrier()
+
+    def validate():
+        if not valid:
+            return
+        last_val = evaluate(model, valid, pad_id, lam_r, lam_o, int(cfg["eval_batch_size"]), device, rank, world)
+        state.last_val = {k: last_val[k] for k in ("loss", "nll", "answer_nll")}
+        log.log(state.step, "valid", {k: last_val[k] for k in ("loss", "nll", "answer_nll")})
+        if last_val["loss"] < state.best_val:
+            state.best_val, state.best_step = last_val["loss"], state.step
+            if ctx.is_main:
+                save_hf_dir(model, tok, ctx.output_dir)
+        D.barrier()
+
+    order_epoch, batches = None, None
+    while True:
+        if state.batch_in_epoch >= steps_per_epoch or state.step >= total:
+            # End of an epoch (or of training): validate once, checkpoint, move on.
+            if state.validated_step != state.step:
+                validate()
+                state.validated_step = state.step
+                snapshot()
+            if state.step >= total:
+                break
+            state.epoch += 1
+            state.batch_in_epoch = 0
+            continue
+        if order_epoch != state.epoch:
+            batches = D.global_batches(D.epoch_order(len(train), ctx.seed, state.epoch), G)
+            order_epoch = state.epoch
+        batch = batches[state.batch_in_epoch]
+        n_tokens = sum(train[i].n_supervised for i in batch)  # global N, known to every rank
+        sums = [0.0, 0.0, 0.0, 0.0]  # weighted, nll, answer nll, answer tokens
+        micro_batches = D.rank_micro_batches(batch, rank, world, accum)
+        for a, idx in enumerate(micro_batches):
+            b = _to(collate([train[i] for i in idx], pad_id, lam_r, lam_o), device)
+            with D.no_sync(ddp, a < len(micro_batches) - 1):
+                loss_sum, st = weighted_nll(_forward(ddp, b), b["labels"], b["loss_weights"], b["answer_mask"])
+                # DDP averages gradients over ranks; × world turns that average into the sum.
+                (loss_sum * (world / max(n_tokens, 1))).backward()
+            parts = [float(loss_sum.detach()), st["nll_sum"], st["answer_nll_sum"], st["answer_tokens"]]
+            sums = [x + y for x, y in zip(sums, parts)]
+        if cfg["max_grad_norm"]:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float(cfg["max_grad_norm"])))
+        else:
+            grad_norm = math.nan
+        lr = sched.get_last_lr()[0]
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        state.step += 1
+        state.batch_in_epoch += 1
+
+        w, nll, anll, an = D.all_reduce_sum(sums, device)
+        state.last_train_loss = last_loss = w / max(n_tokens, 1)
+        log.log(state.step, "train", {"loss": last_loss, "nll": nll / max(n_tokens, 1), "answer_nll": anll / max(an, 1),
+                                      "lr": lr, "grad_norm": grad_norm, "tokens": n_tokens, "epoch": state.epoch})
+        log.progress(1, loss=last_loss, epoch=state.epoch)
+        if cfg["eval_every"] and state.step % int(cfg["eval_every"]) == 0 and state.step < total:
+            validate()
+            state.validated_step = state.step
+            snapshot()
+        elif cfg["save_every"] and state.step % int(cfg["save_every"]) == 0:
+            snapshot()
+        fault_point(state.step)
+
+    if ctx.is_main and (not valid or not (Path(ctx.output_dir) / "config.json").exists()):
+        # No validation set (or the best snapshot went missing): the last model is the output.
+        save_hf_dir(model, tok, ctx.output_dir)
+    D.barrier()
+    log.close()
+    metrics = {
+        "best_val_loss": state.best_val if valid else None,
+        "best_step": state.best_step if valid else state.step,
+        "last_val_loss": state.last_val.get("loss"),
+        "last_val_nll": state.last_val.get("nll"),
+        "last_val_answer_nll": state.last_val.get("answer_nll"),
+        "last_train_loss": state.last_train_loss,
+        "train_examples": len(train),
+        "valid_examples": len(valid),
+        "prompt_truncated_examples": train_stats["prompt_truncated_examples"],
+        "train_seconds": seconds_before + time.perf_counter() - started,
+        "world_size": world,
+        "resumed_from_step": resumed_from,
+    }
+    return StageResult(metrics=metrics, optimizer_steps=state.step)
+
+
+class SFTStage(Stage):
+    name = "sft"
+
+    def default_config(self) -> dict:
+        return dict(DEFAULTS)
+
+    def run(self, ctx: StageContext) -> StageResult:
+        return train_sft(ctx)
