@@ -103,6 +103,27 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_model_init(args) -> int:
+    from reranker.init_model import init_model
+
+    out = init_model(args.data, args.out, size=args.size, base=args.base, seed=args.seed)
+    print(f"initial model written to {out}")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from reranker.stages.pipeline import run_stage
+
+    config = json.loads(args.config_json) if args.config_json else {}
+    if args.config:
+        cfg = load_config(args.config)
+        config = {**(section(section(cfg, "stages"), args.stage)), **config}
+    summary = run_stage(args.stage, args.input, args.output, args.data, config, runs_dir=args.runs,
+                        seed=args.seed, force=args.force)
+    print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
 def format_retrieval(res: dict) -> str:
     keys = ["recall@10", "ndcg@10", "recall@10_masked", "ndcg@10_masked", "recall@50_masked",
             "faiss_recbole_top10_agreement", "hnsw_recall@10", "test_users_target_in_top10",
@@ -149,6 +170,26 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--to", dest="dst", required=True)
     c.add_argument("--block-size", type=int, default=32)
     c.set_defaults(func=cmd_convert)
+    m = sub.add_parser("model", help="model utilities")
+    msub = m.add_subparsers(dest="model_command", required=True)
+    mi = msub.add_parser("init", help="a fresh small Qwen3 over the data's tokenizer, or a local checkpoint + our tokens")
+    mi.add_argument("--data", help="re-ranking data directory (its tokenizer/ is used for a fresh model)")
+    mi.add_argument("--out", required=True)
+    mi.add_argument("--size", default="cpu", help="cpu | tiny")
+    mi.add_argument("--base", help="a local Hugging Face causal-LM directory to start from instead")
+    mi.add_argument("--seed", type=int, default=0)
+    mi.set_defaults(func=cmd_model_init)
+    t = sub.add_parser("train", help="run one training stage (a registered plugin: sft, ar_rl, cft, opd, rl, ...)")
+    t.add_argument("stage")
+    t.add_argument("--input", required=True, help="input model directory")
+    t.add_argument("--output", required=True, help="output model directory")
+    t.add_argument("--data", required=True, help="re-ranking data directory")
+    t.add_argument("--config", help="YAML run config; its stages.<stage> section is used")
+    t.add_argument("--config-json", help="stage settings as JSON (override the YAML)")
+    t.add_argument("--runs", help="runs directory for checkpoints and TensorBoard")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--force", action="store_true", help="redo the stage even if it is complete")
+    t.set_defaults(func=cmd_train)
     d = sub.add_parser("demo", help="run the main job on the embedded synthetic default")
     d.add_argument("--config", default="configs/demo.yaml")
     d.set_defaults(func=cmd_demo)
