@@ -22,9 +22,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest tests
 
+# Regenerates the committed stubs (protoc -I proto, then the one generated import made relative).
 proto: $(STAMP)
-	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=proto --grpc_python_out=proto \
-		--pyi_out=proto proto/diffusion_gr2/v1/reranker.proto
+	$(BIN)/python -c "from proto.diffusion_gr2 import regenerate_stubs; regenerate_stubs()"
 
 bench: $(STAMP)
 	$(BIN)/dgr2 bench

@@ -124,6 +124,12 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from reranker.service.server import serve_from_args
+
+    return serve_from_args(args)
+
+
 def format_retrieval(res: dict) -> str:
     keys = ["recall@10", "ndcg@10", "recall@10_masked", "ndcg@10_masked", "recall@50_masked",
             "faiss_recbole_top10_agreement", "hnsw_recall@10", "test_users_target_in_top10",
@@ -190,6 +196,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--force", action="store_true", help="redo the stage even if it is complete")
     t.set_defaults(func=cmd_train)
+    from reranker.service.server import add_serve_arguments
+
+    sv = sub.add_parser("serve", help="serve Rerank / Recommend over gRPC")
+    add_serve_arguments(sv)
+    sv.set_defaults(func=cmd_serve)
+    cl = sub.add_parser("client", help="call a running server: rerank | recommend | health", add_help=False)
+    cl.add_argument("rest", nargs=argparse.REMAINDER)
+    cl.set_defaults(func=lambda a: __import__("reranker.service.client", fromlist=["client_main"]).client_main(a.rest))
+    lt = sub.add_parser("loadtest", help="load-test a running server on loopback", add_help=False)
+    lt.add_argument("rest", nargs=argparse.REMAINDER)
+    lt.set_defaults(func=lambda a: __import__("reranker.service.loadtest", fromlist=["main"]).main(a.rest))
     d = sub.add_parser("demo", help="run the main job on the embedded synthetic default")
     d.add_argument("--config", default="configs/demo.yaml")
     d.set_defaults(func=cmd_demo)

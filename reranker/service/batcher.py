@@ -1,0 +1,163 @@
+"""Micro-batching: concurrent requests with the same decode options share one batched decode.
+
+One dispatcher task owns the queue. It takes the oldest request, waits at most `max_wait_ms` after
+that request arrived for others with the same key (up to `max_batch`), and runs the batch on a
+single worker thread, so the event loop keeps answering health checks and rejecting overload while
+the model decodes. Requests that arrive during a decode queue up and form the next batch.
+
+The queue is bounded: `submit` raises QueueFull at once, before any await, when `max_queue`
+requests are already waiting. A request whose caller went away (deadline, cancellation) is removed
+from the queue; if every request of the running batch went away, `should_stop()` turns true for the
+batch function, which is expected to abandon the decode (server.py does it between forward passes).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """The bounded queue is full; the server answers RESOURCE_EXHAUSTED."""
+
+
+class BatcherClosed(Exception):
+    """The batcher was closed before this request ran."""
+
+
+@dataclass
+class Outcome:
+    value: Any  # the batch function's result for this request (or an Exception instance)
+    queue_ms: float
+    decode_ms: float
+    batch_size: int
+
+
+@dataclass
+class _Job:
+    item: Any
+    key: Hashable
+    future: asyncio.Future
+    enqueued: float = field(default_factory=time.monotonic)
+    gone: bool = False  # the caller stopped waiting
+
+
+# batch function: (items, key, should_stop) -> one result (or Exception instance) per item, in order
+BatchFn = Callable[[list, Hashable, Callable[[], bool]], list]
+
+
+class MicroBatcher:
+    def __init__(self, run_batch: BatchFn, max_batch: int = 8, max_wait_ms: float = 5.0, max_queue: int = 64):
+        if max_batch < 1 or max_queue < 1 or max_wait_ms < 0:
+            raise ValueError(f"need max_batch >= 1, max_queue >= 1, max_wait_ms >= 0; got "
+                             f"{max_batch}, {max_queue}, {max_wait_ms}")
+        self.run_batch = run_batch
+        self.max_batch = int(max_batch)
+        self.max_wait = float(max_wait_ms) / 1000.0
+        self.max_queue = int(max_queue)
+        self._pending: list[_Job] = []  # arrival order, not yet in a batch
+        self._wakeup = asyncio.Event()
+        # one thread: batches run one at a time (one model), in arrival order
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="rerank-decode")
+        self._task: asyncio.Task | None = None
+        self._current: list[_Job] = []  # the batch being decoded
+        self.batches = 0
+
+    @property
+    def queued(self) -> int:
+        return len(self._pending)
+
+    @property
+    def running(self) -> int:
+        return len(self._current)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._dispatch(), name="micro-batcher")
+
+    async def run_in_worker(self, fn: Callable, *args):
+        """Run fn on the decode thread, between batches (warm-up uses the model there too)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def submit(self, item: Any, key: Hashable) -> Outcome:
+        """Queue `item`, wait for its batch. Raises QueueFull immediately when the queue is full;
+        cancelling the caller removes the item from the queue (or marks it gone if running)."""
+        if self._task is None or self._task.done():
+            raise BatcherClosed("the batcher is not running")
+        if len(self._pending) >= self.max_queue:
+            raise QueueFull(f"queue full ({self.max_queue} requests waiting); retry later")
+        job = _Job(item, key, asyncio.get_running_loop().create_future())
+        self._pending.append(job)
+        self._wakeup.set()
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            job.gone = True
+            if job in self._pending:
+                self._pending.remove(job)
+            raise
+
+    async def _dispatch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._pending:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            head = self._pending[0]
+            # wait for company: until max_batch same-key requests or max_wait after the head arrived
+            until = head.enqueued + self.max_wait
+            while (sum(j.key == head.key for j in self._pending) < self.max_batch
+                   and (left := until - time.monotonic()) > 0 and not head.gone):
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), left)
+                except asyncio.TimeoutError:
+                    break
+            batch = [j for j in self._pending if j.key == head.key and not j.gone][:self.max_batch]
+            for j in batch:
+                self._pending.remove(j)
+            if not batch:
+                continue
+            await self._run(loop, batch)
+
+    async def _run(self, loop, batch: list[_Job]) -> None:
+        start = time.monotonic()
+        self._current = batch
+        self.batches += 1
+        try:
+            results = await loop.run_in_executor(self._executor, self.run_batch, [j.item for j in batch],
+                                                 batch[0].key, lambda: all(j.gone for j in batch))
+            if len(results) != len(batch):
+                raise RuntimeError(f"batch function returned {len(results)} results for {len(batch)} requests")
+        except Exception as e:  # noqa: BLE001 -- every caller of the batch gets the error
+            log.exception("batch of %d failed", len(batch))
+            results = [e] * len(batch)
+        finally:
+            self._current = []
+        decode_ms = (time.monotonic() - start) * 1000.0
+        for j, r in zip(batch, results):
+            if not j.future.done():  # a caller that gave up has a cancelled future
+                j.future.set_result(Outcome(r, (start - j.enqueued) * 1000.0, decode_ms, len(batch)))
+
+    async def close(self) -> None:
+        """Stop dispatching; queued requests fail with BatcherClosed. A running decode is not waited for."""
+        running = list(self._current)  # cancelling the task clears _current
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for j in self._pending + running:
+            if not j.future.done():
+                j.future.set_exception(BatcherClosed("server shutting down"))
+        self._pending.clear()
+        self._current = []
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,195 @@
+"""`dgr2 loadtest`: an asyncio gRPC load generator for a running re-ranking server.
+
+`concurrency` workers share one channel and send Rerank calls until `n_requests` were sent or
+`duration_limit_s` passed, whichever comes first (no call starts after the limit; one already sent
+may take up to `timeout_s` more). The report has QPS, p50/p95/p99 latency of the successful calls,
+error counts by status code, and the server's own stats (batch size, queue and decode
+milliseconds, fallback rate).
+
+Requests come from a JSONL file with `history`, `candidates`, `scores`, `user` per line (the
+retrieval artifacts' candidates/test.jsonl works as is), or are generated from a list of item ids.
+
+The benchmark in the issue (Beauty, 5,000 requests per configuration, AR and diffusion at
+concurrency 1, 8, 32), against a server started with `dgr2 serve --model ... --data ...`:
+
+    python -m reranker.service.loadtest --target 127.0.0.1:50051 \
+        --requests artifacts/beauty/retrieval/candidates/test.jsonl --n 5000 \
+        --decoders ar,diffusion --concurrency 1,8,32 --out docs/results/service-load.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from proto.diffusion_gr2.v1 import reranker_pb2_grpc as pb_grpc
+
+from .client import channel, decode_options, rerank_request
+
+
+def load_requests(path: str | Path, limit: int | None = None) -> list[dict]:
+    """Rows {history, candidates, scores?, user?} from a JSONL file (at most `limit`)."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: line {lineno}: not JSON ({e.msg})") from None
+            if not isinstance(row, dict) or not row.get("candidates"):
+                raise ValueError(f"{path}: line {lineno}: needs an object with a non-empty 'candidates' list")
+            rows.append(row)
+            if limit and len(rows) >= limit:
+                break
+    if not rows:
+        raise ValueError(f"{path}: no requests")
+    return rows
+
+
+def generate_requests(item_ids: Sequence[str], n: int, n_candidates: int = 10, history_len: int = 8,
+                      seed: int = 0) -> list[dict]:
+    """Random requests over a catalog: distinct candidates with decreasing scores, a random history."""
+    if len(item_ids) < n_candidates + 1:
+        raise ValueError(f"need more than {n_candidates} item ids to generate requests, got {len(item_ids)}")
+    rng = random.Random(seed)
+    rows = []
+    for k in range(n):
+        picked = rng.sample(list(item_ids), n_candidates + history_len)
+        rows.append({"user": f"load{k}", "history": picked[n_candidates:], "candidates": picked[:n_candidates],
+                     "scores": [round(1.0 - j / n_candidates, 4) for j in range(n_candidates)]})
+    return rows
+
+
+def _percentiles(ms: list[float]) -> dict:
+    if not ms:
+        return {"p50": None, "p95": None, "p99": None, "mean": None, "max": None}
+    a = np.asarray(ms)
+    return {"p50": float(np.percentile(a, 50)), "p95": float(np.percentile(a, 95)),
+            "p99": float(np.percentile(a, 99)), "mean": float(a.mean()), "max": float(a.max())}
+
+
+async def _run(target, rows, n_requests, concurrency, duration_limit_s, options, tls_ca, timeout_s):
+    opts = decode_options(**options)
+    requests = [rerank_request(r["candidates"], r.get("history", []), r.get("scores"), str(r.get("user", "")), opts)
+                for r in rows]
+    latencies, codes, stats = [], Counter(), []
+    sent = 0
+    async with channel(target, tls_ca, aio=True) as ch:
+        stub = pb_grpc.RerankerStub(ch)
+        t0 = time.perf_counter()
+        end = t0 + duration_limit_s
+
+        async def worker():
+            nonlocal sent
+            while sent < n_requests and time.perf_counter() < end:
+                req = requests[sent % len(requests)]
+                sent += 1
+                start = time.perf_counter()
+                try:
+                    resp = await stub.Rerank(req, timeout=timeout_s)
+                except grpc.aio.AioRpcError as e:
+                    codes[e.code().name] += 1
+                    continue
+                latencies.append((time.perf_counter() - start) * 1000.0)
+                codes["OK"] += 1
+                stats.append((resp.stats.batch_size, resp.stats.queue_ms, resp.stats.decode_ms, resp.fallback))
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    ok = codes.pop("OK", 0)
+    s = np.asarray(stats, dtype=float) if stats else np.zeros((0, 4))
+    return {
+        "target": target, "concurrency": concurrency, "options": options, "requests_sent": sent, "ok": ok,
+        "errors": dict(codes), "stopped_by": "count" if sent >= n_requests else "duration",
+        "duration_s": wall, "qps": ok / wall if wall > 0 else 0.0, "latency_ms": _percentiles(latencies),
+        "mean_batch_size": float(s[:, 0].mean()) if len(s) else None,
+        "mean_queue_ms": float(s[:, 1].mean()) if len(s) else None,
+        "mean_decode_ms": float(s[:, 2].mean()) if len(s) else None,
+        "fallback_rate": float(s[:, 3].mean()) if len(s) else None,
+    }
+
+
+def loadtest(target: str, requests: str | Path | list[dict] | None = None, n_requests: int = 1000,
+             concurrency: int = 8, duration_limit_s: float = 300.0, options: dict | None = None,
+             item_ids: Sequence[str] | None = None, tls_ca: str | Path | None = None,
+             timeout_s: float = 30.0, seed: int = 0) -> dict:
+    """Run one load configuration; returns the report dict (see the module docstring).
+
+    `requests`: a JSONL path or a list of rows; None generates them from `item_ids`.
+    `options`: decode_options() keywords (decoder, tau, block_size, max_new_tokens, top_k, ...).
+    """
+    if n_requests < 1 or concurrency < 1 or duration_limit_s <= 0:
+        raise ValueError(f"need n_requests >= 1, concurrency >= 1, duration_limit_s > 0; got "
+                         f"{n_requests}, {concurrency}, {duration_limit_s}")
+    if requests is None:
+        if not item_ids:
+            raise ValueError("give requests (a JSONL path or rows) or item_ids to generate them from")
+        rows = generate_requests(item_ids, min(n_requests, 1000), seed=seed)
+    elif isinstance(requests, (str, Path)):
+        rows = load_requests(requests, limit=n_requests)
+    else:
+        rows = list(requests)
+    return asyncio.run(_run(target, rows, n_requests, concurrency, duration_limit_s, dict(options or {}), tls_ca,
+                            timeout_s))
+
+
+def loadtest_matrix(target: str, requests=None, n_requests: int = 5000, decoders=("ar", "diffusion"),
+                    concurrencies=(1, 8, 32), duration_limit_s: float = 600.0, options: dict | None = None,
+                    **kw) -> dict:
+    """loadtest for every decoder x concurrency; adds diffusion/AR QPS ratios per concurrency."""
+    runs = [loadtest(target, requests, n_requests, c, duration_limit_s, {**(options or {}), "decoder": d}, **kw)
+            for d in decoders for c in concurrencies]
+    qps = {(r["options"]["decoder"], r["concurrency"]): r["qps"] for r in runs}
+    ratios = {str(c): qps[("diffusion", c)] / qps[("ar", c)] for c in concurrencies
+              if qps.get(("ar", c)) and ("diffusion", c) in qps}
+    return {"runs": runs, "diffusion_over_ar_qps": ratios}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="dgr2 loadtest", description="Load-test a running re-ranking server.")
+    p.add_argument("--target", default="127.0.0.1:50051")
+    p.add_argument("--requests", help="JSONL with history/candidates/scores/user per line")
+    p.add_argument("--items", help="JSON list of item ids to generate requests from (instead of --requests)")
+    p.add_argument("--n", type=int, default=1000, help="requests per configuration")
+    p.add_argument("--concurrency", default="8", help="comma-separated, e.g. 1,8,32")
+    p.add_argument("--decoders", default="ar", help="comma-separated: ar,diffusion")
+    p.add_argument("--duration-limit-s", type=float, default=600.0, help="per configuration")
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--tau", type=float)
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--tls-ca")
+    p.add_argument("--timeout-s", type=float, default=30.0)
+    p.add_argument("--out", help="write the report as a docs/results JSON file")
+    args = p.parse_args(argv)
+    options = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("tau", args.tau),
+                                 ("block_size", args.block_size)) if v is not None}
+    item_ids = json.loads(Path(args.items).read_text()) if args.items else None
+    report = loadtest_matrix(args.target, args.requests, args.n, args.decoders.split(","),
+                             [int(c) for c in args.concurrency.split(",")], args.duration_limit_s, options,
+                             item_ids=item_ids, tls_ca=args.tls_ca, timeout_s=args.timeout_s)
+    for r in report["runs"]:
+        lat = r["latency_ms"]
+        print(f"{r['options']['decoder']:>9} c={r['concurrency']:<3} qps={r['qps']:8.2f} "
+              f"p50={lat['p50'] or 0:8.1f} p95={lat['p95'] or 0:8.1f} p99={lat['p99'] or 0:8.1f} ms "
+              f"ok={r['ok']} errors={r['errors']}")
+    if args.out:
+        from integration.results import write_result
+
+        write_result(args.out, report, "dgr2 loadtest " + " ".join(argv if argv is not None else sys.argv[1:]))
+        print(f"results written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,475 @@
+"""The gRPC re-ranking server (grpc.aio): Rerank, Recommend, health, reflection, micro-batching.
+
+Lifecycle: bind (health NOT_SERVING) -> warm up the model (one small decode per decoder) -> SERVING
+-> on SIGTERM/SIGINT `drain`: health NOT_SERVING, new Rerank/Recommend calls get UNAVAILABLE, the
+queued and decoding requests finish (bounded by the grace period), then the server stops.
+
+    python -m reranker.service.server --model DIR --data DIR [--retrieval DIR] [--port 50051]
+
+Loopback only by default; TLS with --tls-cert/--tls-key. Decoding runs on one worker thread (see
+batcher.py); a batch whose callers all left (deadline, cancellation) is abandoned between two
+forward passes by a forward pre-hook on the model.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import ipaddress
+import logging
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from proto.diffusion_gr2.v1 import reranker_pb2 as pb
+from proto.diffusion_gr2.v1 import reranker_pb2_grpc as pb_grpc
+
+from ..engine import DecodeOptions, RerankRequest, RerankResult
+from .batcher import BatcherClosed, MicroBatcher, QueueFull
+from .validation import (Prepared, ServiceLimits, ValidationError, build_response, truncate_history,
+                         validate_options, validate_rerank)
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Reranker"].full_name  # "diffusion_gr2.v1.Reranker"
+# gRPC itself refuses messages this many times larger than the handler's limit (RESOURCE_EXHAUSTED);
+# between the two, the handler answers INVALID_ARGUMENT naming the field "request".
+TRANSPORT_HEADROOM = 4
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: any free port (see RunningServer.port)
+    max_batch: int = 8
+    max_wait_ms: float = 5.0
+    max_queue: int = 64
+    tls_cert: str | None = None  # PEM files; both or neither
+    tls_key: str | None = None
+    drain_grace_s: float = 30.0
+    warmup: bool = True
+    limits: ServiceLimits = field(default_factory=ServiceLimits)
+
+
+class _Abandoned(Exception):
+    """Raised inside the model's forward when every caller of the running batch has gone."""
+
+
+def _fallback(n: int, failure: str) -> RerankResult:
+    return RerankResult(permutation=list(range(n)), valid=False, fallback=True, failure=failure, reasoning="",
+                        text="", generated_tokens=0, forward_passes=0, decode_seconds=0.0)
+
+
+class RerankerService(pb_grpc.RerankerServicer):
+    def __init__(self, engine, limits: ServiceLimits | None = None, retriever=None, max_batch: int = 8,
+                 max_wait_ms: float = 5.0, max_queue: int = 64):
+        self.engine = engine
+        self.limits = limits or ServiceLimits()
+        self.retriever = retriever
+        self.diffusion_available = getattr(engine, "diffusion", None) is not None
+        self.health = health.aio.HealthServicer()
+        self.batcher = MicroBatcher(self._decode_batch, max_batch, max_wait_ms, max_queue)
+        self.draining = False
+        self._active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._allowed = None  # index rows the engine can rank (Recommend)
+
+    # ---- decode thread ---------------------------------------------------------------------
+    def _decode_batch(self, preps: list[Prepared], key, should_stop) -> list:
+        """Runs on the decode thread: one engine.rerank for the batch; never raises."""
+        def abandon_if_nobody_waits(module, args):
+            if should_stop():
+                raise _Abandoned()
+
+        # checked before every forward pass, so a batch nobody waits for stops within one step
+        model = getattr(self.engine, "model", None)
+        hook = model.register_forward_pre_hook(abandon_if_nobody_waits) if isinstance(model, torch.nn.Module) \
+            else None
+        try:
+            return self._rerank_isolating(preps)
+        except _Abandoned:
+            log.info("abandoned a batch of %d: every caller left (deadline or cancellation)", len(preps))
+            return [asyncio.CancelledError("abandoned")] * len(preps)
+        finally:
+            if hook is not None:
+                hook.remove()
+
+    def _rerank_isolating(self, preps: list[Prepared]) -> list:
+        options = replace(preps[0].options)  # all share the batch key
+        requests = [p.request for p in preps]
+        try:
+            return self.engine.rerank(requests, options)
+        except _Abandoned:
+            raise
+        except ValueError:
+            # A request the engine cannot render (e.g. a prompt over the model's budget) fails the
+            # whole batch: find it without decoding, answer it INVALID_ARGUMENT, decode the others.
+            bad = {}
+            for i, r in enumerate(requests):
+                try:
+                    self.engine.prompt_ids(r)
+                except ValueError as err:
+                    bad[i] = ValidationError("candidates", f"the model cannot take this request: {err}")
+            if not bad:
+                log.exception("decode failed; returning the retriever order")
+                return [_fallback(len(r.candidates), "decode_error") for r in requests]
+            good = [i for i in range(len(requests)) if i not in bad]
+            done = dict(zip(good, self._rerank_isolating([preps[i] for i in good]))) if good else {}
+            return [bad.get(i, done.get(i)) for i in range(len(requests))]
+        except Exception:  # noqa: BLE001 -- the contract is an answer in retriever order, not an error
+            log.exception("decode failed; returning the retriever order")
+            return [_fallback(len(r.candidates), "decode_error") for r in requests]
+
+    def warm_up(self) -> None:
+        """One tiny decode per available decoder (first forward passes allocate and compile)."""
+        sids = getattr(self.engine, "sids", None)
+        items = list(sids.item_ids[:2]) if sids is not None else []
+        if not items:
+            return
+        decoders = ["ar"] + (["diffusion"] if self.diffusion_available else [])
+        for decoder in decoders:
+            self.engine.rerank([RerankRequest(history=items[:1], candidates=items)],
+                               DecodeOptions(decoder=decoder, max_new_tokens=min(8, self.limits.max_new_tokens)))
+
+    # ---- event loop ------------------------------------------------------------------------
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    @contextlib.contextmanager
+    def _tracked(self):
+        self._active += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                self._idle.set()
+
+    async def _admit(self, context) -> None:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica")
+
+    async def _run(self, prep: Prepared, context) -> pb.RerankResponse:
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the request was queued")
+        try:
+            submit = self.batcher.submit(prep, prep.batch_key)
+            outcome = await (asyncio.wait_for(submit, remaining) if remaining is not None else submit)
+        except QueueFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                "deadline passed while the request was queued or decoding; its work was dropped")
+        except BatcherClosed as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        value = outcome.value
+        if isinstance(value, ValidationError):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(value))
+        if isinstance(value, BaseException):
+            await context.abort(grpc.StatusCode.INTERNAL, f"re-ranking failed: {value!r}")
+        return build_response(prep, value, outcome.queue_ms, outcome.decode_ms, outcome.batch_size)
+
+    async def Rerank(self, request, context):
+        await self._admit(context)
+        with self._tracked():
+            try:
+                prep = validate_rerank(request, self.engine.known, self.limits, self.diffusion_available)
+            except ValidationError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            return await self._run(prep, context)
+
+    async def Recommend(self, request, context):
+        await self._admit(context)
+        if self.retriever is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "Recommend needs retrieval artifacts; start the server with --retrieval DIR")
+        with self._tracked():
+            t0 = time.perf_counter()
+            try:
+                history, truncated, n = self._validate_recommend(request)
+                items, scores = await asyncio.to_thread(self.retriever.retrieve, history, n, self._allowed_rows())
+                if not items:
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                        "the retriever found no candidate the model can rank")
+                # the retrieved list goes through exactly the checks a Rerank request gets
+                rerank = pb.RerankRequest(user_id=request.user_id, history=history, options=request.options,
+                                          candidates=[pb.Candidate(item_id=i, score=s) for i, s in zip(items, scores)])
+                prep = validate_rerank(rerank, self.engine.known, self.limits, self.diffusion_available)
+            except ValidationError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            prep.history_truncated = truncated
+            retrieval_ms = (time.perf_counter() - t0) * 1000.0
+            result = await self._run(prep, context)
+            return pb.RecommendResponse(result=result, retrieval_ms=retrieval_ms)
+
+    def _validate_recommend(self, request) -> tuple[list[str], bool, int]:
+        """(history kept, history truncated, number to retrieve), or a ValidationError."""
+        size = request.ByteSize()
+        if size > self.limits.max_message_bytes:
+            raise ValidationError("request", f"{size} bytes; at most {self.limits.max_message_bytes}")
+        if len(request.user_id) > self.limits.max_item_id_chars:
+            raise ValidationError("user_id", f"{len(request.user_id)} characters; at most "
+                                             f"{self.limits.max_item_id_chars}")
+        n = request.num_candidates or self.limits.recommend_candidates
+        if n > self.limits.max_candidates:
+            raise ValidationError("num_candidates", f"{n}; at most {self.limits.max_candidates}")
+        history, truncated = truncate_history(request.history, self.limits)
+        if not history:
+            raise ValidationError("history", "empty; Recommend retrieves from the user's history")
+        if not any(self.retriever.known(h) for h in history):
+            raise ValidationError("history", f"none of the {len(history)} items is known to the retriever")
+        validate_options(request.options, self.limits, self.diffusion_available, n)
+        return history, truncated, n
+
+    def _allowed_rows(self):
+        if self._allowed is None:  # computed once: the catalogs do not change while serving
+            self._allowed = self.retriever.allowed_mask(self.engine.known)
+        return self._allowed
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    service: RerankerService
+    host: str
+    port: int
+    config: ServerConfig
+
+    @property
+    def address(self) -> str:
+        return _address(self.host, self.port)
+
+    async def warm_up(self) -> None:
+        """Warm the model on the decode thread, then report SERVING."""
+        if self.config.warmup:
+            t0 = time.perf_counter()
+            await self.service.batcher.run_in_worker(self.service.warm_up)
+            log.info("warm-up took %.1f s", time.perf_counter() - t0)
+        if not self.service.draining:
+            await self.service.set_serving(True)
+            log.info("SERVING on %s", self.address)
+
+    async def drain(self, grace_s: float | None = None) -> None:
+        """Graceful drain (the SIGTERM handler calls this): NOT_SERVING, refuse new calls, let the
+        in-flight ones finish within grace_s, then stop the server."""
+        svc = self.service
+        if svc.draining:
+            return
+        svc.draining = True
+        grace = self.config.drain_grace_s if grace_s is None else grace_s
+        await svc.health.enter_graceful_shutdown()  # NOT_SERVING everywhere, and it stays so
+        log.info("draining: %d request(s) in flight, up to %.0f s", svc._active, grace)
+        try:
+            await asyncio.wait_for(svc._idle.wait(), grace)
+        except asyncio.TimeoutError:
+            log.warning("drain grace of %.1f s passed with %d request(s) still in flight", grace, svc._active)
+        await self.server.stop(grace=1.0)
+        await svc.batcher.close()
+        log.info("stopped")
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def start_server(engine, config: ServerConfig | None = None, retriever=None) -> RunningServer:
+    """Bind and start (health NOT_SERVING); call `warm_up()` on the result to become SERVING."""
+    config = config or ServerConfig()
+    if bool(config.tls_cert) != bool(config.tls_key):
+        raise ValueError("TLS needs both tls_cert and tls_key (PEM files)")
+    limit = config.limits.max_message_bytes * TRANSPORT_HEADROOM
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        ("grpc.so_reuseport", 0),  # a busy port is an error, not a silently shared one
+    ])
+    service = RerankerService(engine, config.limits, retriever, config.max_batch, config.max_wait_ms,
+                              config.max_queue)
+    pb_grpc.add_RerankerServicer_to_server(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(service.health, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    await service.set_serving(False)
+    address = _address(config.host, config.port)
+    if config.tls_cert:
+        creds = grpc.ssl_server_credentials([(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())])
+        port = server.add_secure_port(address, creds)
+    else:
+        if not _is_loopback(config.host):
+            log.warning("serving plaintext on non-loopback address %s; use --tls-cert/--tls-key", config.host)
+        port = server.add_insecure_port(address)
+    if not port:
+        raise RuntimeError(f"could not bind {address} (port in use or address not local)")
+    service.batcher.start()
+    await server.start()
+    log.info("listening on %s (%s), NOT_SERVING until warmed up", _address(config.host, port),
+             "TLS" if config.tls_cert else "plaintext")
+    return RunningServer(server, service, config.host, port, config)
+
+
+async def run_until_signalled(engine, config: ServerConfig, retriever=None) -> None:
+    running = await start_server(engine, config, retriever)
+    loop = asyncio.get_running_loop()
+    drains: list[asyncio.Task] = []
+
+    def on_signal(sig):
+        log.info("%s: draining", signal.Signals(sig).name)
+        drains.append(loop.create_task(running.drain()))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    await running.warm_up()
+    await running.wait()
+    # the server stops inside drain(); let drain finish its own cleanup before the loop closes
+    await asyncio.gather(*drains)
+
+
+class BackgroundServer:
+    """A server on its own event loop in a daemon thread, for synchronous callers (tests,
+    benchmarks, notebooks). `stop()` drains it like SIGTERM would."""
+
+    def __init__(self, engine, config: ServerConfig | None = None, retriever=None, warm_up: bool = True,
+                 timeout: float = 120.0):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio-server", daemon=True)
+        self.thread.start()
+        try:
+            self.running: RunningServer = self.call(start_server(engine, config, retriever), timeout)
+        except BaseException:
+            self._close_loop()
+            raise
+        self.warmed = self.submit(self.running.warm_up()) if warm_up else None
+
+    @property
+    def service(self) -> RerankerService:
+        return self.running.service
+
+    @property
+    def target(self) -> str:
+        return self.running.address
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        """Schedule a coroutine on the server's loop."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro, timeout: float = 120.0):
+        return self.submit(coro).result(timeout)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        if self.loop.is_closed():
+            return
+        self.call(self.running.drain(grace_s), grace_s + 30.0)
+        self._close_loop()
+
+    def _close_loop(self) -> None:
+        async def cancel_rest():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        self.call(cancel_rest(), 30.0)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30.0)
+        self.loop.close()
+
+    def __enter__(self) -> "BackgroundServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve(model_dir, data_dir, retrieval_dir=None, host: str = "127.0.0.1", port: int = 50051, max_batch: int = 8,
+          max_wait_ms: float = 5.0, max_queue: int = 64, tls_cert=None, tls_key=None, device: str = "cpu",
+          drain_grace_s: float = 30.0, limits: ServiceLimits | None = None) -> int:
+    """Load the engine (and the retriever, if given) and serve until SIGTERM/SIGINT. Returns 0."""
+    from ..engine import RerankEngine
+
+    t0 = time.perf_counter()
+    engine = RerankEngine.load(model_dir, data_dir, device)
+    retriever = None
+    if retrieval_dir:
+        from .retrieval import Retriever  # RecBole + faiss: imported only when Recommend is wanted
+
+        retriever = Retriever.load(retrieval_dir, device)
+    log.info("loaded the model%s in %.1f s", " and the retriever" if retriever else "", time.perf_counter() - t0)
+    config = ServerConfig(host=host, port=port, max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue,
+                          tls_cert=str(tls_cert) if tls_cert else None, tls_key=str(tls_key) if tls_key else None,
+                          drain_grace_s=drain_grace_s, limits=limits or ServiceLimits())
+    asyncio.run(run_until_signalled(engine, config, retriever))
+    return 0
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The serve options (shared with `dgr2 serve`)."""
+    d, lim = ServerConfig(), ServiceLimits()
+    p.add_argument("--model", required=True, help="model directory (HF causal LM + tokenizer)")
+    p.add_argument("--data", required=True, help="re-ranking data directory (dgr2 data build)")
+    p.add_argument("--retrieval", help="retrieval artifacts directory; enables Recommend")
+    p.add_argument("--host", default=d.host, help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=d.port, help="0: any free port")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-batch", type=int, default=d.max_batch, help="requests per batched decode")
+    p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms, help="how long a batch waits to fill")
+    p.add_argument("--max-queue", type=int, default=d.max_queue, help="queued requests before RESOURCE_EXHAUSTED")
+    p.add_argument("--tls-cert", help="PEM certificate (with --tls-key): serve TLS")
+    p.add_argument("--tls-key", help="PEM private key")
+    p.add_argument("--drain-grace-s", type=float, default=d.drain_grace_s)
+    p.add_argument("--max-candidates", type=int, default=lim.max_candidates)
+    p.add_argument("--max-history", type=int, default=lim.max_history, help="longer histories keep the newest")
+    p.add_argument("--max-message-bytes", type=int, default=lim.max_message_bytes)
+    p.add_argument("--max-new-tokens", type=int, default=lim.max_new_tokens)
+    p.add_argument("--decoder", choices=("ar", "diffusion"), default=lim.default_decoder, help="default decoder")
+    p.add_argument("--tau", type=float, default=lim.default_tau, help="default diffusion commit threshold")
+    p.add_argument("--recommend-candidates", type=int, default=lim.recommend_candidates)
+
+
+def serve_from_args(args: argparse.Namespace) -> int:
+    limits = ServiceLimits(max_candidates=args.max_candidates, max_history=args.max_history,
+                           max_message_bytes=args.max_message_bytes, max_new_tokens=args.max_new_tokens,
+                           default_decoder=args.decoder, default_tau=args.tau,
+                           recommend_candidates=args.recommend_candidates)
+    return serve(args.model, args.data, args.retrieval, args.host, args.port, args.max_batch, args.max_wait_ms,
+                 args.max_queue, args.tls_cert, args.tls_key, args.device, args.drain_grace_s, limits)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m reranker.service.server", description=__doc__.split("\n")[0])
+    add_serve_arguments(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("faiss").setLevel(logging.WARNING)  # its loader logs every CPU-feature probe
+    try:
+        return serve_from_args(args)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        log.error("%s", e)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

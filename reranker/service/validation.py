@@ -1,0 +1,173 @@
+"""Request validation and response building for the re-ranking service.
+
+Every rejection is a ValidationError whose text starts with the offending field
+("candidates[3].score: not finite (nan)"), which the server returns as INVALID_ARGUMENT. Checks
+run cheapest first and stop at the first problem, so a huge malformed request costs little.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from proto.diffusion_gr2.v1 import reranker_pb2 as pb
+
+from ..engine import DecodeOptions, RerankRequest, RerankResult
+
+DECODER_NAMES = {pb.DECODER_AR: "ar", pb.DECODER_DIFFUSION: "diffusion"}
+MAX_BLOCK_SIZE = 256  # the engine's own bound (DecodeOptions.validate)
+
+
+@dataclass
+class ServiceLimits:
+    """What the server accepts. Every field is a server option (see server.py --help)."""
+    max_candidates: int = 100
+    max_history: int = 50  # H: longer histories keep the most recent H items (reported, not rejected)
+    max_message_bytes: int = 1 << 20  # checked in the handler (INVALID_ARGUMENT); gRPC's own cap is 4x
+    max_item_id_chars: int = 256
+    max_new_tokens: int = 320  # default generation budget and the most a request may ask for
+    default_decoder: str = "ar"
+    default_tau: float = 0.9
+    recommend_candidates: int = 10  # Recommend's default number of retrieved candidates
+
+    def __post_init__(self):
+        for name in ("max_candidates", "max_history", "max_message_bytes", "max_item_id_chars",
+                     "max_new_tokens", "recommend_candidates"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"ServiceLimits.{name} must be >= 1, got {getattr(self, name)}")
+        if self.default_decoder not in DECODER_NAMES.values():
+            raise ValueError(f"ServiceLimits.default_decoder must be 'ar' or 'diffusion', got {self.default_decoder!r}")
+        if not 0.0 < self.default_tau <= 1.0:
+            raise ValueError(f"ServiceLimits.default_tau must be in (0, 1], got {self.default_tau}")
+
+
+class ValidationError(ValueError):
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready for the batcher."""
+    request: RerankRequest
+    options: DecodeOptions
+    scores: list[float]
+    top_k: int  # 0: all
+    return_reasoning: bool
+    history_truncated: bool
+    history_unknown: int
+
+    @property
+    def batch_key(self) -> tuple:
+        # requests share a batched decode only when every decode option matches
+        o = self.options
+        return (o.decoder, o.tau, o.block_size, o.temperature, o.max_new_tokens, o.max_steps_per_block, o.seed)
+
+
+def _short(text: str, n: int = 40) -> str:
+    return repr(text if len(text) <= n else text[:n] + "...")
+
+
+def _check_id(field: str, item: str, limits: ServiceLimits) -> None:
+    if not item:
+        raise ValidationError(field, "empty item id")
+    if len(item) > limits.max_item_id_chars:
+        raise ValidationError(field, f"item id of {len(item)} characters; at most {limits.max_item_id_chars}")
+
+
+def validate_options(opts: pb.DecodeOptions, limits: ServiceLimits, diffusion_available: bool,
+                     n_candidates: int) -> tuple[DecodeOptions, int, bool]:
+    """(engine DecodeOptions, top_k, return_reasoning) from the proto options."""
+    if opts.decoder == pb.DECODER_UNSPECIFIED:
+        decoder = limits.default_decoder
+    elif opts.decoder in DECODER_NAMES:
+        decoder = DECODER_NAMES[opts.decoder]
+    else:  # proto3 enums are open: any int can arrive
+        raise ValidationError("options.decoder", f"unknown value {opts.decoder}; use DECODER_AR or DECODER_DIFFUSION")
+    if decoder == "diffusion" and not diffusion_available:
+        raise ValidationError("options.decoder", "diffusion needs a converted model; this server's model is AR only")
+    tau = limits.default_tau
+    if opts.HasField("tau"):
+        tau = float(opts.tau)
+        if not math.isfinite(tau) or not 0.0 < tau <= 1.0:
+            raise ValidationError("options.tau", f"must be in (0, 1], got {tau}")
+    block_size = None
+    if opts.HasField("block_size"):
+        block_size = int(opts.block_size)
+        if not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise ValidationError("options.block_size", f"must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
+    max_new = limits.max_new_tokens
+    if opts.HasField("max_new_tokens"):
+        max_new = int(opts.max_new_tokens)
+        if not 1 <= max_new <= limits.max_new_tokens:
+            raise ValidationError("options.max_new_tokens", f"must be in [1, {limits.max_new_tokens}], got {max_new}")
+    options = DecodeOptions(decoder=decoder, tau=tau, block_size=block_size, max_new_tokens=max_new)
+    # top_k larger than the list just means "all of them"
+    top_k = min(int(opts.top_k), n_candidates)
+    return options, top_k, bool(opts.return_reasoning)
+
+
+def truncate_history(history, limits: ServiceLimits) -> tuple[list[str], bool]:
+    """The most recent max_history items (history is oldest first), and whether any were dropped."""
+    items = list(history[-limits.max_history:])
+    for k, item in enumerate(items):
+        _check_id(f"history[{len(history) - len(items) + k}]", item, limits)
+    return items, len(history) > len(items)
+
+
+def validate_rerank(req: pb.RerankRequest, known: Callable[[str], bool], limits: ServiceLimits,
+                    diffusion_available: bool) -> Prepared:
+    size = req.ByteSize()
+    if size > limits.max_message_bytes:
+        raise ValidationError("request", f"{size} bytes; at most {limits.max_message_bytes}")
+    if len(req.user_id) > limits.max_item_id_chars:
+        raise ValidationError("user_id", f"{len(req.user_id)} characters; at most {limits.max_item_id_chars}")
+    n = len(req.candidates)
+    if n == 0:
+        raise ValidationError("candidates", "empty; send at least one candidate")
+    if n > limits.max_candidates:
+        raise ValidationError("candidates", f"{n} candidates; at most {limits.max_candidates}")
+    seen: dict[str, int] = {}
+    ids, scores = [], []
+    for i, cand in enumerate(req.candidates):
+        field = f"candidates[{i}]"
+        _check_id(f"{field}.item_id", cand.item_id, limits)
+        if cand.item_id in seen:
+            raise ValidationError(f"{field}.item_id", f"duplicate of candidates[{seen[cand.item_id]}] "
+                                                      f"({_short(cand.item_id)})")
+        if not known(cand.item_id):
+            raise ValidationError(f"{field}.item_id",
+                                  f"unknown item {_short(cand.item_id)} (not in the model's catalog)")
+        if not math.isfinite(cand.score):
+            raise ValidationError(f"{field}.score", f"not finite ({cand.score})")
+        seen[cand.item_id] = i
+        ids.append(cand.item_id)
+        scores.append(float(cand.score))
+    history, truncated = truncate_history(req.history, limits)
+    options, top_k, reasoning = validate_options(req.options, limits, diffusion_available, n)
+    unknown = sum(1 for h in history if not known(h))  # the engine leaves these out of the prompt
+    return Prepared(RerankRequest(history=history, candidates=ids, scores=scores, user=req.user_id or None),
+                    options, scores, top_k, reasoning, truncated, unknown)
+
+
+def is_permutation(perm, n: int) -> bool:
+    return len(perm) == n and sorted(int(p) for p in perm) == list(range(n))
+
+
+def build_response(prep: Prepared, result: RerankResult, queue_ms: float, decode_ms: float,
+                   batch_size: int) -> pb.RerankResponse:
+    n = len(prep.request.candidates)
+    perm, valid, fallback, failure = list(result.permutation), result.valid, result.fallback, result.failure or ""
+    if not is_permutation(perm, n):  # the engine guarantees this; the wire contract must not depend on it
+        perm, valid, fallback, failure = list(range(n)), False, True, failure or "invalid_permutation"
+    shown = perm[:prep.top_k] if prep.top_k else perm
+    items = [pb.RankedItem(item_id=prep.request.candidates[j], score=prep.scores[j], previous_rank=j + 1,
+                           new_rank=r + 1) for r, j in enumerate(shown)]
+    stats = pb.DecodeStats(decoder=prep.options.decoder, generated_tokens=int(result.generated_tokens),
+                           forward_passes=int(result.forward_passes), batch_size=batch_size,
+                           queue_ms=queue_ms, decode_ms=decode_ms)
+    return pb.RerankResponse(items=items, valid=valid, fallback=fallback, failure=failure,
+                             reasoning=result.reasoning if prep.return_reasoning else "", stats=stats,
+                             history_truncated=prep.history_truncated, history_used=len(prep.request.history),
+                             history_unknown=prep.history_unknown)
