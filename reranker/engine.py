@@ -82,7 +82,7 @@ def split_reasoning(text: str) -> str:
 
 class RerankEngine:
     def __init__(self, model, tokenizer, sids: SemanticIds, item_meta, copurchase: CoPurchaseCounts | None,
-                 profile: str = "cpu", max_prompt_tokens: int = 512):
+                 profile: str = "cpu", max_prompt_tokens: int = 512, evidence_history: int | None = None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.sids = sids
@@ -90,6 +90,8 @@ class RerankEngine:
         self.copurchase = copurchase
         self.profile = profile
         self.max_prompt_tokens = max_prompt_tokens
+        # Training prompts computed brand/category evidence over at most this many recent items.
+        self.evidence_history = evidence_history
         self.diffusion = load_diffusion_config(model)
         self.eos_id = tokenizer.convert_tokens_to_ids(IM_END)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
@@ -109,19 +111,17 @@ class RerankEngine:
         if not info_path.exists():
             raise FileNotFoundError(f"{info_path}: missing; build the re-ranking data with `dgr2 data build`")
         info = json.loads(info_path.read_text())
-        base = data_dir
-        retrieval_dir = (base / info["retrieval_dir"]).resolve() if not Path(info["retrieval_dir"]).is_absolute() \
-            else Path(info["retrieval_dir"])
-        items_path = Path(info["items_path"])
-        if not items_path.is_absolute():
-            items_path = (base / items_path).resolve()
+        # Paths in build_info.json are relative to the data directory.
+        retrieval_dir = (data_dir / info["retrieval_dir"]).resolve()
+        items_path = (data_dir / info["items_path"]).resolve()
         seqs = json.loads((retrieval_dir / "sequences.json").read_text())
-        copurchase = CoPurchaseCounts.fit(train_sequences(seqs), window=int(info.get("copurchase_window", 1)))
+        copurchase = CoPurchaseCounts.fit(train_sequences(seqs), window=int((info.get("copurchase") or {}).get("window", 1)))
         meta = item_meta_lookup(load_items(items_path).to_frame())
         tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         model = load_model(model_dir, device=device)
         return cls(model, tok, SemanticIds.load(data_dir / "sids.json"), meta, copurchase,
-                   profile or info.get("profile", "cpu"), int(info.get("max_prompt_tokens", 512)))
+                   profile or info.get("profile", "cpu"), int(info.get("max_prompt_tokens") or 512),
+                   info.get("evidence_history_items") or None)
 
     def known(self, item: str) -> bool:
         return item in self.sids
@@ -131,6 +131,8 @@ class RerankEngine:
         if unknown:
             raise ValueError(f"candidate item {unknown[0]!r} has no semantic ID in this model's catalog")
         history = [h for h in req.history if self.known(h)]
+        if self.evidence_history:
+            history = history[-self.evidence_history:]
         evidence = None
         if self.copurchase is not None:
             evidence = candidates_evidence(history, req.candidates, self.item_meta, self.copurchase, req.user)
