@@ -63,20 +63,29 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def cmd_demo(args) -> int:
-    """The main job on the embedded synthetic default (retrieval and candidates for now)."""
+def cmd_pipeline(args) -> int:
+    """The whole pipeline from a config; prints the stage table."""
     import time
 
-    from candidate_gen.retrieve import run_retrieval
+    from .pipeline import format_summary, run_full_pipeline
 
     t0 = time.time()
     cfg = load_config(args.config)
-    settings = _retrieval_settings(cfg, None, None)
-    res = run_retrieval(settings)
+    summary = run_full_pipeline(cfg, data_override=getattr(args, "data", None))
     print()
-    print(format_retrieval(res))
-    print(f"\nartifacts: {settings.out}  ({time.time() - t0:.0f} s)")
+    print(f"retrieval: Recall@10 {summary['retrieval']['recall@10']:.4f} (RecBole standard), "
+          f"{summary['retrieval']['recall@10_masked']:.4f} (history masked)")
+    print(format_summary(summary))
+    print(f"\nsummary: {Path(cfg['out']) / 'summary.json'}; per-row reports: {Path(cfg['out']) / 'eval'}"
+          f"  ({time.time() - t0:.0f} s)")
+    if getattr(args, "results", None):
+        from .results import write_result
+
+        write_result(args.results, summary, "dgr2 " + " ".join(sys.argv[1:]))
     return 0
+
+
+cmd_demo = cmd_pipeline
 
 
 def cmd_eval(args) -> int:
@@ -130,6 +139,44 @@ def cmd_serve(args) -> int:
     return serve_from_args(args)
 
 
+def _data_paths(cfg: dict, data: str | None):
+    """(retrieval artifacts dir, items file, re-ranking data dir) for a config."""
+    from candidate_gen.atomic import find_atomic_file
+
+    rs = _retrieval_settings(cfg, data, None)
+    src = rs.data_dir if rs.data_dir is not None else Path(rs.out) / "source"
+    dcfg = section(cfg, "rerank_data")
+    items = dcfg.get("items_path") or find_atomic_file(src, "item")
+    return rs.out, Path(items), Path(cfg["out"]) / "rerank_data"
+
+
+def cmd_data_build(args) -> int:
+    from reranker.dataset import build_rerank_data
+
+    cfg = load_config(args.config)
+    retrieval_dir, items, out = _data_paths(cfg, args.data)
+    opts = {k: v for k, v in section(cfg, "rerank_data").items() if k != "items_path"}
+    report = build_rerank_data(retrieval_dir, items, Path(args.out) if args.out else out,
+                               seed=int(cfg.get("seed", 0)), **opts)
+    print(json.dumps(report, indent=2, default=str))
+    return 0
+
+
+def cmd_baselines(args) -> int:
+    from reranker.baselines import baselines_table, run_baselines
+
+    cfg = load_config(args.config)
+    _, _, data_dir = _data_paths(cfg, None)
+    res = run_baselines(args.data_dir or data_dir, seed=int(cfg.get("seed", 0)))
+    print(baselines_table(res))
+    if args.results:
+        from .results import write_result
+
+        write_result(args.results, res, "dgr2 " + " ".join(sys.argv[1:]))
+        print(f"results written to {args.results}")
+    return 0
+
+
 def format_retrieval(res: dict) -> str:
     keys = ["recall@10", "ndcg@10", "recall@10_masked", "ndcg@10_masked", "recall@50_masked",
             "faiss_recbole_top10_agreement", "hnsw_recall@10", "test_users_target_in_top10",
@@ -176,6 +223,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--to", dest="dst", required=True)
     c.add_argument("--block-size", type=int, default=32)
     c.set_defaults(func=cmd_convert)
+    da = sub.add_parser("data", help="re-ranking data")
+    dsub = da.add_subparsers(dest="data_command", required=True)
+    db = dsub.add_parser("build", help="semantic IDs, tokenizer, teacher traces, train/valid/test examples")
+    db.add_argument("--config", required=True)
+    db.add_argument("--data", help="atomic data directory (overrides the config)")
+    db.add_argument("--out", help="output directory (default <out>/rerank_data)")
+    db.set_defaults(func=cmd_data_build)
+    bl = sub.add_parser("baselines", help="retriever order, random, co-purchase sort, learned scorer (with CIs)")
+    bl.add_argument("--config", required=True)
+    bl.add_argument("--data-dir", help="re-ranking data directory (default <out>/rerank_data)")
+    bl.add_argument("--results", help="write the result to this docs/results JSON file")
+    bl.set_defaults(func=cmd_baselines)
     m = sub.add_parser("model", help="model utilities")
     msub = m.add_subparsers(dest="model_command", required=True)
     mi = msub.add_parser("init", help="a fresh small Qwen3 over the data's tokenizer, or a local checkpoint + our tokens")
@@ -207,6 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
     lt = sub.add_parser("loadtest", help="load-test a running server on loopback", add_help=False)
     lt.add_argument("rest", nargs=argparse.REMAINDER)
     lt.set_defaults(func=lambda a: __import__("reranker.service.loadtest", fromlist=["main"]).main(a.rest))
+    pl = sub.add_parser("pipeline", help="retrieval -> data -> sft -> ar_rl -> convert -> cft -> opd -> rl -> eval")
+    pl.add_argument("--config", required=True)
+    pl.add_argument("--data", help="directory with <name>.inter / <name>.item (overrides the config)")
+    pl.add_argument("--results", help="also write the summary to this docs/results JSON file")
+    pl.set_defaults(func=cmd_pipeline)
     d = sub.add_parser("demo", help="run the main job on the embedded synthetic default")
     d.add_argument("--config", default="configs/demo.yaml")
     d.set_defaults(func=cmd_demo)

@@ -1,0 +1,206 @@
+"""`dgr2 pipeline`: retrieval -> data -> sft -> ar_rl -> convert -> cft -> opd -> rl -> evaluation.
+
+Every step writes into `<out>/` and is skipped when its output is complete and was made from the
+same settings (a hash of the settings that feed it, chained from the step before); training
+stages also resume from their last checkpoint after an interruption (reranker/stages/pipeline.py).
+
+    <out>/retrieval/        dgr2 retrieve artifacts
+    <out>/rerank_data/      dgr2 data build output (+ baselines.json)
+    <out>/models/init/      the initial model
+    <out>/runs/ar/          sft, ar_rl   (model dirs under <id>/model)
+    <out>/models/naive/     the converted, untrained diffusion model
+    <out>/runs/diffusion/   cft, opd, rl
+    <out>/eval/             one JSON report per evaluated row
+    <out>/summary.json      the stage table
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+
+from candidate_gen.atomic import atomic_write_text
+
+from .config import section
+
+log = logging.getLogger(__name__)
+
+AR_STAGES = ("sft", "ar_rl")
+DIFFUSION_STAGES = ("cft", "opd", "rl")
+
+
+def _hash(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _done(marker: Path, h: str) -> bool:
+    return marker.exists() and json.loads(marker.read_text()).get("hash") == h
+
+
+def _mark(marker: Path, h: str, **info) -> None:
+    atomic_write_text(marker, json.dumps({"hash": h, **info}, indent=2))
+
+
+def _step(name: str, i: int, n: int, msg: str) -> None:
+    print(f"[{i}/{n}] {name}: {msg}", flush=True)
+
+
+def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: str | None = None) -> dict:
+    from candidate_gen.retrieve import run_retrieval
+    from reranker.baselines import run_baselines
+    from reranker.convert import convert_to_diffusion
+    from reranker.dataset import build_rerank_data
+    from reranker.init_model import init_model
+    from reranker.stages.base import read_done
+    from reranker.stages.pipeline import run_pipeline
+
+    from .cli import _retrieval_settings
+
+    out = Path(cfg["out"])
+    seed = int(cfg.get("seed", 0))
+    n_steps = 8
+    timings: dict[str, float] = {}
+
+    # 1. Retrieval.
+    t = time.time()
+    rs = _retrieval_settings(cfg, data_override, str(out / "retrieval"))
+    h_ret = _hash("retrieval", section(cfg, "data"), section(cfg, "retrieval"), seed, data_override)
+    if _done(out / "retrieval" / ".pipeline_done.json", h_ret):
+        _step("retrieval", 1, n_steps, "up to date, skipped")
+        retrieval = json.loads((out / "retrieval" / "metrics.json").read_text())
+    else:
+        _step("retrieval", 1, n_steps, "SASRec + FAISS + candidate lists")
+        retrieval = run_retrieval(rs)
+        _mark(out / "retrieval" / ".pipeline_done.json", h_ret)
+    timings["retrieval"] = time.time() - t
+
+    # 2. Re-ranking data + baselines.
+    t = time.time()
+    dcfg = dict(section(cfg, "rerank_data"))
+    data_dir = out / "rerank_data"
+    items_path = dcfg.pop("items_path", None) or _items_file(rs)
+    h_data = _hash("data", h_ret, dcfg, str(items_path), seed)
+    if _done(data_dir / ".pipeline_done.json", h_data):
+        _step("data", 2, n_steps, "up to date, skipped")
+    else:
+        _step("data", 2, n_steps, "semantic IDs, tokenizer, teacher traces")
+        build_rerank_data(rs.out, items_path, data_dir, seed=seed, **dcfg)
+        baselines = run_baselines(data_dir, n_boot=int(section(cfg, "eval").get("n_boot", 2000)), seed=seed)
+        atomic_write_text(data_dir / "baselines.json", json.dumps(baselines, indent=2))
+        _mark(data_dir / ".pipeline_done.json", h_data)
+    timings["data"] = time.time() - t
+    if only_until == "data":
+        return {"retrieval": retrieval}
+
+    # 3. Initial model, AR stages.
+    t = time.time()
+    mcfg = section(cfg, "model")
+    init_dir = out / "models" / "init"
+    h_init = _hash("init", h_data, mcfg, seed)
+    if not _done(out / "models" / ".init_done.json", h_init):
+        init_model(data_dir, init_dir, size=mcfg.get("size", "cpu"), base=mcfg.get("base"), seed=seed)
+        _mark(out / "models" / ".init_done.json", h_init)
+    stages = section(cfg, "stages")
+    _step("ar", 3, n_steps, " -> ".join(s for s in AR_STAGES if s in stages))
+    ar_specs = [{"name": s, "config": stages[s] or {}} for s in AR_STAGES if s in stages]
+    ar_runs = run_pipeline(ar_specs, init_dir, out / "runs" / "ar", data_dir, seed=seed)
+    ar_dir = Path(ar_runs[-1]["output_dir"]) if ar_runs else init_dir
+    sft_dir = Path(ar_runs[0]["output_dir"]) if ar_runs else init_dir
+    timings["ar_stages"] = time.time() - t
+
+    # 4. Conversion and diffusion stages.
+    t = time.time()
+    block = int(section(cfg, "convert").get("block_size", 32))
+    naive_dir = out / "models" / "naive"
+    h_conv = _hash("convert", ar_runs[-1].get("config_hash") if ar_runs else h_init, block)
+    if not _done(out / "models" / ".naive_done.json", h_conv):
+        _step("convert", 4, n_steps, f"AR -> block diffusion, B = {block}")
+        convert_to_diffusion(ar_dir, naive_dir, block_size=block)
+        _mark(out / "models" / ".naive_done.json", h_conv)
+    d_specs = []
+    for s in DIFFUSION_STAGES:
+        if s in stages:
+            conf = dict(stages[s] or {})
+            if s == "opd":
+                conf.setdefault("teacher", str(ar_dir))
+            d_specs.append({"name": s, "config": conf})
+    _step("diffusion", 5, n_steps, " -> ".join(x["name"] for x in d_specs))
+    d_runs = run_pipeline(d_specs, naive_dir, out / "runs" / "diffusion", data_dir, seed=seed)
+    timings["diffusion_stages"] = time.time() - t
+
+    # 5. Evaluation of every row of the stage table.
+    t = time.time()
+    rows = [("AR GR2 (sft)", sft_dir, "ar")] if len(ar_runs) > 1 else []
+    rows += [("AR GR2", ar_dir, "ar"), ("naive conversion", naive_dir, "diffusion")]
+    label = {"cft": "+CFT", "opd": "+CFT+OPD", "rl": "+CFT+OPD+RL"}
+    rows += [(label.get(r["name"], r["name"]), Path(r["output_dir"]), "diffusion") for r in d_runs]
+    _step("eval", 6, n_steps, ", ".join(r[0] for r in rows))
+    table = evaluate_rows(rows, data_dir, section(cfg, "eval"), out / "eval")
+    timings["eval"] = time.time() - t
+
+    summary = {"name": cfg.get("name"), "retrieval": {k: retrieval.get(k) for k in
+               ("recall@10", "ndcg@10", "recall@10_masked", "ndcg@10_masked", "test_users_target_in_top10")},
+               "baselines": json.loads((data_dir / "baselines.json").read_text())["methods"],
+               "stages": table, "timings": timings,
+               "stage_wall_seconds": {r["name"]: (read_done(r["output_dir"]) or {}).get("wall_seconds")
+                                      for r in ar_runs + d_runs}}
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
+    return summary
+
+
+def _items_file(rs) -> Path:
+    from candidate_gen.atomic import find_atomic_file
+
+    src = rs.data_dir if rs.data_dir is not None else Path(rs.out) / "source"
+    return find_atomic_file(src, "item")
+
+
+def evaluate_rows(rows, data_dir: Path, ecfg: dict, eval_dir: Path) -> list[dict]:
+    """Evaluate each (label, model dir, decoder) on the same test users; CIs vs retriever and vs AR."""
+    from reranker.engine import DecodeOptions, RerankEngine
+    from reranker.evaluate import evaluate, load_examples
+    from reranker.metrics import compare
+
+    examples = load_examples(data_dir / f"{ecfg.get('split', 'test')}.jsonl", ecfg.get("limit"))
+    out, ar_ranks = [], None
+    for label, model_dir, decoder in rows:
+        opts = DecodeOptions(decoder=decoder, tau=float(ecfg.get("tau", 0.9)),
+                             max_new_tokens=int(ecfg.get("max_new_tokens", 320)))
+        engine = RerankEngine.load(model_dir, data_dir)
+        rep = evaluate(engine, examples, opts, int(ecfg.get("batch_size", 8)))
+        rep.update(label=label, model=str(model_dir))
+        if label == "AR GR2":
+            ar_ranks = rep["ranks"]
+        atomic_write_text(eval_dir / f"{label.replace(' ', '_').replace('+', 'p')}.json", json.dumps(rep, indent=2))
+        out.append(rep)
+    import numpy as np
+
+    for rep in out:
+        if ar_ranks is not None and rep["label"] != "AR GR2":
+            rep["vs_ar"] = compare(np.asarray(ar_ranks), np.asarray(rep["ranks"]))
+    ar_tps = next((r["tokens_per_second"] for r in out if r["label"] == "AR GR2"), None)
+    for rep in out:
+        rep["speedup_vs_ar"] = rep["tokens_per_second"] / ar_tps if ar_tps else None
+    return out
+
+
+def format_summary(summary: dict) -> str:
+    stages = summary["stages"]
+    first = stages[0] if stages else None
+    lines = [f"{'row':22s} {'R@1':>7s} {'R@3':>7s} {'NDCG@3':>7s} {'valid':>7s} {'tok/s':>8s} {'speed-up':>8s}"]
+    if first:
+        r = first["retriever"]
+        lines.append(f"{'retriever order':22s} {r['recall@1']:7.4f} {r['recall@3']:7.4f} {r['ndcg@3']:7.4f} "
+                     f"{1.0:7.3f} {'-':>8s} {'-':>8s}")
+    for name, b in summary.get("baselines", {}).items():
+        if name == "retriever":
+            continue
+        m = b["metrics"]
+        lines.append(f"{name:22s} {m['recall@1']:7.4f} {m['recall@3']:7.4f} {m['ndcg@3']:7.4f} {'-':>7s} {'-':>8s} {'-':>8s}")
+    for rep in stages:
+        sp = f"{rep['speedup_vs_ar']:.2f}x" if rep.get("speedup_vs_ar") else "-"
+        lines.append(f"{rep['label']:22s} {rep['recall@1']:7.4f} {rep['recall@3']:7.4f} {rep['ndcg@3']:7.4f} "
+                     f"{rep['valid_rate']:7.3f} {rep['tokens_per_second']:8.1f} {sp:>8s}")
+    return "\n".join(lines)
