@@ -1,0 +1,425 @@
+"""CFT: conversion fine-tuning of the block-diffusion re-ranker (masked-diffusion loss, 3 epochs).
+
+    loss = sum over response targets of  w_i * 1[y_i masked] * CE(y_i) / t   /   N
+
+(reranker.diffusion_loss: one [x_0 ; x_t] forward, t ~ U(eps, 1) per example), with w = λ_r on
+reasoning tokens, λ_o on answer tokens and `fill_weight` on the EOS fill, N = response tokens
+(fill included) of the whole global batch. Responses are padded to whole blocks with EOS: the
+decoder always shows the model a full last block (mask tokens after the answer's EOS), so training
+"EOS after EOS" keeps that block in distribution and lets the decoder commit the tail in one
+confident step. The fill's default weight is λ_o: it is part of the output format the decoder must
+get right (a non-EOS token there is committed and can end up in the trajectory), and it is cheap.
+
+Noise (t and the mask of each example) is drawn from a generator keyed by (seed, step, example
+index), so a resumed run, a different world size or a different micro-batch split sees the very
+same noisy inputs.
+
+Input: a converted model dir (config.diffusion); a plain AR dir is converted first (logged).
+Same loop contract as sft: global batch independent of world size, resumable checkpoints,
+validation each epoch (diffusion loss under a FIXED noise draw, so epochs are comparable, plus an
+optional greedy τ-decode of a few validation prompts: valid-JSON rate and token accuracy), best
+model written as the output. Gradients are summed over ranks explicitly (`sum_gradients`) instead
+of through a DDP wrapper: diffusion_loss / replay call the model's own attributes (dtype, config),
+which a DDP wrapper hides, and an explicit all-reduce gives exactly the 1-process gradient.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from reranker.answer import parse_ranking
+from reranker.convert import convert_to_diffusion, load_diffusion_config
+from reranker.decoding import diffusion_decode
+from reranker.diffusion_loss import diffusion_loss, sample_noise
+from reranker.masks import pack_prompt_response
+from reranker.stages.base import Stage, StageContext, StageResult
+from reranker.stages.sft import accumulation
+from reranker.training import distributed as D
+from reranker.training.batches import encode_examples, end_of_turn, read_jsonl
+from reranker.training.checkpoint import (Checkpointer, TrainState, capture_rng, fault_point, restore,
+                                          save_hf_dir)
+from reranker.training.logging import RunLogger
+from reranker.training.schedule import build_optimizer, build_scheduler, warmup_steps_from
+
+DEFAULTS = {
+    "train_file": "train.jsonl",
+    "valid_file": "valid.jsonl",
+    "max_train_examples": None,
+    "max_valid_examples": None,
+    "max_len": 1024,
+    "block_size": None,  # None: the model's config.diffusion.block_size (32 when converting an AR dir)
+    "epochs": 3,
+    "max_steps": None,
+    "batch_size": 16,  # global examples per optimizer step
+    "grad_accum": 1,
+    "micro_batch_size": None,
+    "eval_batch_size": 8,
+    "lr": 5e-4,
+    "min_lr_ratio": 0.1,
+    "warmup_ratio": 0.05,
+    "warmup_steps": None,
+    "weight_decay": 0.01,
+    "betas": [0.9, 0.95],
+    "eps": 1e-8,
+    "max_grad_norm": 1.0,
+    "lambda_r": 0.5,
+    "lambda_o": 1.0,
+    "fill_weight": None,  # weight of the EOS fill after the response; None: lambda_o
+    "complementary": False,  # two complementary noisy copies per example (diffusion_loss)
+    "t_eps": 1e-3,
+    "valid_noise_seed": 1234,  # the fixed noise draw of every validation
+    "decode_examples": 16,  # greedy τ-decode of this many validation prompts per validation; 0: off
+    "decode_tau": 0.9,
+    "decode_max_new_tokens": None,  # None: longest reference response of those prompts + one block
+    "dtype": "float32",
+    "save_every": 50,
+    "keep_checkpoints": 2,
+    "eval_every": None,
+    "resume": True,
+}
+
+
+# ---------------------------------------------------------------------------- shared with opd
+
+def seeded(device, *parts) -> torch.Generator:
+    """A generator keyed by plain data, e.g. (seed, step, example) or (seed, step, micro-batch):
+    noise and rollouts are reproducible on resume and do not depend on which rank draws them."""
+    g = torch.Generator(device=device)
+    g.manual_seed(int.from_bytes(json.dumps(parts).encode(), "little") % (2**61 - 1))
+    return g
+
+
+def sum_gradients(model) -> None:
+    """All-reduce (sum) every gradient over ranks in one flat buffer; a no-op on one process.
+    Each rank's loss is already divided by the GLOBAL token count, so the sum is the global grad."""
+    if not D.is_distributed():
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    for p, chunk in zip(params, flat.split([p.numel() for p in params])):
+        p.grad = chunk.view_as(p).clone()
+
+
+def load_diffusion_model(ctx: StageContext, input_dir, block_size, dtype, log):
+    """(model, tokenizer, block size, mask id) from a converted dir, converting a plain AR dir first
+    (rank 0 writes run_dir/converted_input; every rank loads it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    src = Path(input_dir)
+    if load_diffusion_config(AutoConfig.from_pretrained(str(src), local_files_only=True)) is None:
+        conv = Path(ctx.run_dir) / "converted_input"
+        if ctx.is_main:
+            convert_to_diffusion(src, conv, block_size=int(block_size or 32))
+        D.barrier()
+        log(f"{ctx.name}: {src.name} is a plain AR model: converted to block diffusion "
+            f"(block size {block_size or 32}) in {conv.name}/")
+        src = conv
+    tok = AutoTokenizer.from_pretrained(str(src))
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=getattr(torch, dtype), local_files_only=True)
+    info = load_diffusion_config(model)
+    B = int(block_size or info["block_size"])
+    model.config.diffusion = {**info, "block_size": B}  # the output records the size it was trained for
+    return model.to(torch.device(ctx.device)), tok, B, int(info["mask_token_id"])
+
+
+def token_ids(tok) -> tuple[int, int]:
+    """(eos, pad): EOS is the response's end-of-turn token (what the decoder stops at)."""
+    eos = tok.convert_tokens_to_ids(end_of_turn(tok))
+    return eos, tok.pad_token_id if tok.pad_token_id is not None else eos
+
+
+def candidate_sids(records, data_dir) -> list:
+    """Per record: its candidate SID strings ("candidate_sids", or "candidates" mapped through the
+    data dir's sids.json), or None when neither is available (no valid-JSON check for it)."""
+    sids, path = None, Path(data_dir or ".") / "sids.json"
+    out = []
+    for r in records:
+        if r.get("candidate_sids"):
+            out.append(list(r["candidate_sids"]))
+        elif r.get("candidates") and path.is_file():
+            if sids is None:
+                from reranker.sid import SemanticIds
+
+                sids = SemanticIds.load(path)
+            out.append([sids.sid_string(str(c)) for c in r["candidates"]])
+        else:
+            out.append(None)
+    return out
+
+
+def valid_json(tok, tokens, cands) -> list:
+    """Per output: True/False = parses to a permutation of its candidates; None = unknown."""
+    return [None if c is None else parse_ranking(tok.decode(t, skip_special_tokens=False), c).ok
+            for t, c in zip(tokens, cands)]
+
+
+def load_split(tok, data_dir, name, limit, max_len):
+    """(encoded examples, candidate SIDs, encode stats) of one JSONL file."""
+    recs = read_jsonl(Path(data_dir) / name, limit)
+    enc, stats = encode_examples(tok, recs, max_len)
+    return enc, candidate_sids(recs, data_dir), stats
+
+
+# ---------------------------------------------------------------------------- CFT pieces
+
+def cft_batch(examples, pad_id, eos_id, B, lam_r, lam_o, fill_w, device):
+    """(input_ids, prompt_len, resp_len, token_weights) with responses EOS-filled to whole blocks."""
+    prompts = [e.input_ids[:e.n_prompt] for e in examples]
+    responses = [e.input_ids[e.n_prompt:] for e in examples]
+    ids, plen, rlen = pack_prompt_response(prompts, responses, pad_id, block_size=B, fill_id=eos_id)
+    w = torch.zeros(len(examples), int(rlen.max()))
+    for i, e in enumerate(examples):
+        w[i, :e.n_reasoning] = lam_r
+        w[i, e.n_reasoning:e.n_supervised] = lam_o
+        w[i, e.n_supervised:int(rlen[i])] = fill_w
+    return ids.to(device), plen.to(device), rlen.to(device), w.to(device)
+
+
+def example_noise(keys, rlen, complementary, eps, device):
+    """(t (C, b), target masks (C, b, max rlen)) with each example's draw keyed by its own key:
+    the noise of an example never depends on which batch, micro-batch or rank it lands in."""
+    ts, ms = [], []
+    L = int(rlen.max())
+    for key, n in zip(keys, rlen.tolist()):
+        t, m = sample_noise(torch.tensor([n]), n, eps, complementary, seeded("cpu", *key))
+        ts.append(t)
+        ms.append(torch.nn.functional.pad(m, (0, L - n)))
+    return torch.cat(ts, 1).to(device), torch.cat(ms, 1).to(device)
+
+
+def padded_len(e, B) -> int:
+    return math.ceil(e.n_supervised / B) * B
+
+
+@torch.no_grad()
+def evaluate_loss(model, examples, cfg, ids, B, mask_id, device, rank=0, world=1) -> float:
+    """Diffusion loss per response token under a fixed noise draw: each example's t and mask are
+    keyed by (valid_noise_seed, example index), so every validation (and any world size) sees the
+    very same noisy inputs and only the weights change between epochs."""
+    was = model.training
+    model.eval()
+    eos, pad = ids
+    mine = sorted(D.shard(list(range(len(examples))), rank, world), key=lambda i: len(examples[i].input_ids))
+    total, count = 0.0, 0.0
+    bs = int(cfg["eval_batch_size"])
+    for s in range(0, len(mine), bs):
+        idx = mine[s:s + bs]
+        x, plen, rlen, w = cft_batch([examples[i] for i in idx], pad, eos, B, *_weights(cfg), device)
+        t, m = example_noise([(int(cfg["valid_noise_seed"]), i) for i in idx], rlen, cfg["complementary"],
+                             cfg["t_eps"], device)
+        loss = diffusion_loss(model, x, plen, rlen, B, mask_id, w, t=t, target_mask=m)
+        total += float(loss) * float(rlen.sum())  # diffusion_loss averages over its C copies
+        count += float(rlen.sum())
+    total, count = D.all_reduce_sum([total, count], device)
+    model.train(was)
+    return total / max(count, 1.0)
+
+
+@torch.no_grad()
+def decode_eval(model, tok, examples, cands, n, tau, B, mask_id, ids, max_new, device, rank=0,
+                world=1) -> dict:
+    """Greedy τ-decode of the first n examples: valid-JSON rate, token accuracy vs the reference
+    response, and tokens committed per block step."""
+    was = model.training
+    model.eval()
+    eos, pad = ids
+    mine = D.shard(list(range(min(n, len(examples)))), rank, world)
+    flags, acc, toks, steps = [], [0.0, 0.0], 0, 0
+    if mine:
+        ex = [examples[i] for i in mine]
+        refs = [e.input_ids[e.n_prompt:] for e in ex]
+        limit = int(max_new or max(len(r) for r in refs) + B)
+        res = diffusion_decode(model, [e.input_ids[:e.n_prompt] for e in ex], limit, B, mask_id, eos,
+                               pad_token_id=pad, tau=tau)
+        flags = valid_json(tok, res.tokens, [cands[i] for i in mine])
+        for out, ref in zip(res.tokens, refs):
+            acc[0] += sum(a == b for a, b in zip(out, ref))
+            acc[1] += len(ref)
+        toks = sum(len(t) for t in res.tokens)
+        steps = sum(sum(s) for s in res.steps_per_block)
+    known = [f for f in flags if f is not None]
+    ok, nk, a0, a1, tk, st = D.all_reduce_sum([sum(known), len(known), *acc, toks, steps], device)
+    model.train(was)
+    return {"valid_json_rate": ok / nk if nk else None, "token_acc": a0 / max(a1, 1),
+            "tokens_per_step": tk / max(st, 1)}
+
+
+def _weights(cfg) -> tuple[float, float, float]:
+    lo = float(cfg["lambda_o"])
+    fill = lo if cfg["fill_weight"] is None else float(cfg["fill_weight"])
+    return float(cfg["lambda_r"]), lo, fill
+
+
+def check_config(cfg: dict) -> None:
+    lam_r, lam_o, fill = _weights(cfg)
+    if min(lam_r, lam_o, fill) < 0 or lam_r + lam_o == 0:
+        raise ValueError(f"lambda_r, lambda_o, fill_weight must be >= 0 with λ_r + λ_o > 0, "
+                         f"got {lam_r}, {lam_o}, {fill}")
+    if int(cfg["batch_size"]) < 1 or int(cfg["epochs"]) < 0:
+        raise ValueError("batch_size must be >= 1 and epochs >= 0")
+
+
+def train_cft(ctx: StageContext) -> StageResult:
+    cfg = ctx.config
+    check_config(cfg)
+    device = torch.device(ctx.device)
+    rank, world = ctx.rank, ctx.world_size
+    torch.manual_seed(ctx.seed * 1000 + rank)
+    notes = []  # messages from before the logger exists
+    model, tok, B, mask_id = load_diffusion_model(ctx, ctx.input_dir, cfg["block_size"], cfg["dtype"], notes.append)
+    model.train()
+    ids = token_ids(tok)
+    max_len = min(int(cfg["max_len"]), int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30))
+    lam = _weights(cfg)
+
+    data_dir = Path(ctx.data_dir) if ctx.data_dir is not None else Path(".")
+    train, _, train_stats = load_split(tok, data_dir, cfg["train_file"], cfg["max_train_examples"], max_len)
+    valid, valid_cands = [], []
+    if cfg["valid_file"] and (data_dir / cfg["valid_file"]).is_file():
+        valid, valid_cands, _ = load_split(tok, data_dir, cfg["valid_file"], cfg["max_valid_examples"], max_len)
+    elif cfg["valid_file"]:
+        notes.append(f"{ctx.name}: no {cfg['valid_file']} in the data dir: no validation, the last model is the output")
+
+    G = int(cfg["batch_size"])
+    accum, micro = accumulation(cfg, world)
+    steps_per_epoch = len(train) // G
+    if steps_per_epoch == 0:
+        raise ValueError(f"{len(train)} training examples, fewer than one global batch of {G}")
+    total = int(cfg["epochs"]) * steps_per_epoch
+    if cfg["max_steps"] is not None:
+        total = min(total, int(cfg["max_steps"]))
+
+    opt = build_optimizer(model, float(cfg["lr"]), float(cfg["weight_decay"]), cfg["betas"], float(cfg["eps"]))
+    sched = build_scheduler(opt, warmup_steps_from(cfg, total), max(total, 1), float(cfg["min_lr_ratio"]))
+    ckpt = Checkpointer(Path(ctx.run_dir) / "checkpoints", (ctx.config_hash or "0")[:16], int(cfg["keep_checkpoints"]))
+    state = TrainState()
+    loaded = ckpt.load_latest() if cfg["resume"] else None
+    if loaded is not None:
+        state = restore(loaded, model, opt, sched, rank, world)
+        del loaded
+    elif ctx.is_main and Path(ctx.output_dir).exists():
+        for p in Path(ctx.output_dir).iterdir():  # a stale attempt's partial output is not ours
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    D.barrier()
+
+    log = RunLogger(ctx.run_dir, enabled=ctx.is_main, progress=ctx.progress and ctx.is_main, total=total,
+                    initial=state.step, desc=ctx.name, resume_step=state.step, resume_rows=state.metrics_rows)
+    for line in notes:
+        log.message(line)
+    if state.step > 0:
+        log.message(f"{ctx.name}: resuming at step {state.step}/{total} (epoch {state.epoch})")
+    else:
+        log.log(0, "data", {**train_stats, "valid_examples": len(valid), "world_size": world, "block_size": B,
+                            "grad_accum": accum, "micro_batch_size": micro, "total_steps": total})
+    started, seconds_before, resumed_from = time.perf_counter(), state.train_seconds, state.step
+
+    def snapshot():
+        state.train_seconds = seconds_before + time.perf_counter() - started
+        state.metrics_rows = log.rows_written
+        rngs = D.all_gather_object(capture_rng())
+        if ctx.is_main:
+            ckpt.save(state, model, opt, sched, rngs)
+        D.barrier()
+
+    def validate():
+        if not valid:
+            return
+        val = {"loss": evaluate_loss(model, valid, cfg, ids, B, mask_id, device, rank, world)}
+        if int(cfg["decode_examples"]) > 0:
+            val.update(decode_eval(model, tok, valid, valid_cands, int(cfg["decode_examples"]),
+                                   float(cfg["decode_tau"]), B, mask_id, ids, cfg["decode_max_new_tokens"], device,
+                                   rank, world))
+        state.last_val = val
+        log.log(state.step, "valid", val)
+        if val["loss"] < state.best_val:
+            state.best_val, state.best_step = val["loss"], state.step
+            if ctx.is_main:
+                save_hf_dir(model, tok, ctx.output_dir)
+        D.barrier()
+
+    order_epoch, batches = None, None
+    while True:
+        if state.batch_in_epoch >= steps_per_epoch or state.step >= total:
+            if state.validated_step != state.step:
+                validate()
+                state.validated_step = state.step
+                snapshot()
+            if state.step >= total:
+                break
+            state.epoch, state.batch_in_epoch = state.epoch + 1, 0
+            continue
+        if order_epoch != state.epoch:
+            batches = D.global_batches(D.epoch_order(len(train), ctx.seed, state.epoch), G)
+            order_epoch = state.epoch
+        batch = batches[state.batch_in_epoch]
+        n_tokens = sum(padded_len(train[i], B) for i in batch)  # global N (fill included), known to every rank
+        loss_sum = 0.0
+        for a, idx in enumerate(D.rank_micro_batches(batch, rank, world, accum)):
+            x, plen, rlen, w = cft_batch([train[i] for i in idx], ids[1], ids[0], B, *lam, device)
+            t, m = example_noise([(ctx.seed, state.step, i) for i in idx], rlen, cfg["complementary"], cfg["t_eps"],
+                                 device)  # keyed by (step, example): reproducible on resume, any world size
+            loss = diffusion_loss(model, x, plen, rlen, B, mask_id, w, t=t, target_mask=m)
+            part = loss * (float(rlen.sum()) / n_tokens)  # this micro-batch's share of the global mean
+            part.backward()
+            loss_sum += float(part.detach())
+        sum_gradients(model)
+        grad_norm = (float(torch.nn.utils.clip_grad_norm_(model.parameters(), float(cfg["max_grad_norm"])))
+                     if cfg["max_grad_norm"] else math.nan)
+        lr = sched.get_last_lr()[0]
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        state.step += 1
+        state.batch_in_epoch += 1
+        (last_loss,) = D.all_reduce_sum([loss_sum], device)
+        state.last_train_loss = last_loss
+        log.log(state.step, "train", {"loss": last_loss, "lr": lr, "grad_norm": grad_norm, "tokens": n_tokens,
+                                      "epoch": state.epoch})
+        log.progress(1, loss=last_loss, epoch=state.epoch)
+        if cfg["eval_every"] and state.step % int(cfg["eval_every"]) == 0 and state.step < total:
+            validate()
+            state.validated_step = state.step
+            snapshot()
+        elif cfg["save_every"] and state.step % int(cfg["save_every"]) == 0:
+            snapshot()
+        fault_point(state.step)
+
+    if ctx.is_main and (not valid or not (Path(ctx.output_dir) / "config.json").exists()):
+        save_hf_dir(model, tok, ctx.output_dir)
+    D.barrier()
+    log.close()
+    lv = state.last_val
+    metrics = {
+        "best_val_loss": state.best_val if valid else None,
+        "best_step": state.best_step if valid else state.step,
+        "last_val_loss": lv.get("loss"),
+        "last_val_valid_json_rate": lv.get("valid_json_rate"),
+        "last_val_token_acc": lv.get("token_acc"),
+        "last_val_tokens_per_step": lv.get("tokens_per_step"),
+        "last_train_loss": state.last_train_loss,
+        "block_size": B,
+        "train_examples": len(train),
+        "valid_examples": len(valid),
+        "train_seconds": seconds_before + time.perf_counter() - started,
+        "world_size": world,
+        "resumed_from_step": resumed_from,
+    }
+    return StageResult(metrics=metrics, optimizer_steps=state.step)
+
+
+class CFTStage(Stage):
+    name = "cft"
+
+    def default_config(self) -> dict:
+        return dict(DEFAULTS)
+
+    def run(self, ctx: StageContext) -> StageResult:
+        return train_cft(ctx)
