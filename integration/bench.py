@@ -1,22 +1,128 @@
-"""`dgr2 bench`: rebuild docs/BENCHMARKS.md from docs/results/*.json (never from cached numbers)."""
+"""`dgr2 bench`: rebuild docs/BENCHMARKS.md and docs/plots/*.png from docs/results/*.json only.
+
+Never from cached or typed-in numbers: every cell comes from a result file, every table names the
+command, commit and date recorded in that file (``integration.results.write_result`` adds them;
+a file without them says "not recorded"). A section whose files are missing says "not measured
+yet" and which command produces them. A file that does not match its schema is reported in place
+(with the error) rather than stopping the whole report.
+
+Sections, in order, each matched by file-name prefix (``<prefix><name>.json``, e.g.
+``stages-beauty.json``); the JSON schema each one expects is in its renderer's docstring. Renderers
+are lenient: optional keys may be missing (shown as "–"), only the keys called *required* must be
+there.
+
+    retrieval-*            retrieval_section
+    rerank-baselines-*     baselines_section
+    rerank-ar-*            eval_section (a `dgr2 eval` report)
+    diffusion-cft-*        eval_section
+    stages-*               stages_section
+    diffusion-speed-*      speed_section, frontier_section, length_batch_section
+    service-load*          service_section
+    recbole-e2e-*          recbole_section
+"""
 from __future__ import annotations
 
+import logging
+import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from candidate_gen.atomic import atomic_write_text
 
+from . import plots
 from .results import RESULTS_DIR, read_results
 
+log = logging.getLogger(__name__)
 
-def _fmt(v) -> str:
+METRICS = ("recall@1", "recall@3", "ndcg@3", "ndcg@5")
+LABELS = {"recall@1": "R@1", "recall@3": "R@3", "ndcg@3": "NDCG@3", "ndcg@5": "NDCG@5", "recall@10": "Recall@10",
+          "ndcg@10": "NDCG@10", "valid_rate": "valid rate", "tokens_per_second": "tok/s"}
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+def _fmt(v, digits=4) -> str:
     if v is None:
         return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
     if isinstance(v, float):
-        return f"{v:.4f}"
+        return f"{v:.{digits}f}"
     return str(v)
 
 
-def retrieval_section(name: str, r: dict) -> list[str]:
+def _ci(d) -> str:
+    """'+0.0123 [+0.0050, +0.0200]' from {"diff", "ci_low", "ci_high"}; '' when absent."""
+    if not isinstance(d, dict) or d.get("diff") is None:
+        return ""
+    if d.get("ci_low") is None or d.get("ci_high") is None:
+        return f"{d['diff']:+.4f}"
+    return f"{d['diff']:+.4f} [{d['ci_low']:+.4f}, {d['ci_high']:+.4f}]"
+
+
+def _cell(value, ci=None) -> str:
+    c = _ci(ci)
+    return f"{_fmt(value)} ({c})" if c else _fmt(value)
+
+
+def _get(row: dict, key: str):
+    """row[key], or row["metrics"][key] (producers nest metrics either way)."""
+    if key in row:
+        return row[key]
+    m = row.get("metrics")
+    return m.get(key) if isinstance(m, dict) else None
+
+
+def _med(s):
+    return s.get("median") if isinstance(s, dict) else s
+
+
+def _stat(s, digits=1) -> str:
+    """'median [min–max]' of a reranker.speed.stats dict (or a bare number)."""
+    if isinstance(s, dict):
+        if s.get("median") is None:
+            return "–"
+        if s.get("min") is None or s.get("max") is None:
+            return f"{s['median']:.{digits}f}"
+        return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}–{s['max']:.{digits}f}]"
+    return "–" if s is None else f"{s:.{digits}f}"
+
+
+def provenance(r: dict) -> str:
+    cmd = r.get("command")
+    cmd = f"`{cmd}`" if cmd else "not recorded"
+    return f"Command: {cmd} (commit `{r.get('commit') or 'not recorded'}`, {r.get('date') or 'date not recorded'})."
+
+
+def _name(stem: str, prefix: str) -> str:
+    n = stem[len(prefix):] if stem.startswith(prefix) else ""
+    return n or stem
+
+
+@dataclass
+class Ctx:
+    """What a renderer may need besides its document: where plots go and how the page links them."""
+    plots_dir: Path
+    page_dir: Path
+
+    def image(self, path: Path | None, alt: str) -> list[str]:
+        if path is None:
+            return []
+        return [f"![{alt}]({Path(os.path.relpath(path, self.page_dir)).as_posix()})", ""]
+
+
+# ----------------------------------------------------------------------------------------- renderers
+
+def retrieval_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
+    """`dgr2 retrieve --results docs/results/retrieval-<name>.json` (candidate_gen.retrieve).
+
+    Schema: {"dataset", "users", "items", "interactions", "recall@10", "ndcg@10", "recall@10_masked",
+    "ndcg@10_masked", "recall@50_masked", "faiss_recbole_top10_agreement", "hnsw_recall@10",
+    "test_users_target_in_top10", "train_hit_rate_in_sample", "train_hit_rate_crossfit",
+    "valid_hit_rate", "train_seconds", "wall_seconds", "folds": [{"fold", "users", "positions",
+    "hit_rate", "train_seconds"}]} — all optional.
+    """
     rows = [
         ("Recall@10 (RecBole standard, full sort)", "recall@10"),
         ("NDCG@10 (RecBole standard, full sort)", "ndcg@10"),
@@ -33,30 +139,348 @@ def retrieval_section(name: str, r: dict) -> list[str]:
         ("SASRec training seconds (main + folds)", "train_seconds"),
         ("wall seconds, whole command", "wall_seconds"),
     ]
-    out = [f"## Retrieval: SASRec (RecBole) + FAISS on {r.get('dataset', name)}", "",
-           f"{r.get('users')} users, {r.get('items')} items, {r.get('interactions')} interactions. "
-           f"Command: `{r['command']}` (commit `{r['commit']}`, {r['date']}).", "",
-           "| metric | value |", "|---|---|"]
+    out = [f"### {r.get('dataset', name)}", "",
+           f"{_fmt(r.get('users'))} users, {_fmt(r.get('items'))} items, {_fmt(r.get('interactions'))} interactions. "
+           + provenance(r), "", "| metric | value |", "|---|---|"]
     out += [f"| {label} | {_fmt(r.get(key))} |" for label, key in rows]
     if r.get("folds"):
         out += ["", "| fold | held-out users | training positions | target in top-10 | SASRec seconds |",
                 "|---|---|---|---|---|"]
-        out += [f"| {f['fold']} | {f['users']} | {f['positions']} | {_fmt(f['hit_rate'])} | "
-                f"{f['train_seconds']:.0f} |" for f in r["folds"]]
+        out += [f"| {f.get('fold')} | {_fmt(f.get('users'))} | {_fmt(f.get('positions'))} | {_fmt(f.get('hit_rate'))} | "
+                f"{_fmt(f.get('train_seconds'), 0)} |" for f in r["folds"]]
     return out + [""]
 
 
-SECTIONS = {"retrieval-": retrieval_section}
+def baselines_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
+    """docs/results/rerank-baselines-<name>.json (reranker.baselines.run_baselines).
+
+    Schema: {"test_users", "n_candidates", "n_boot", "methods" (required): {<method>: {"metrics":
+    {"recall@1", "recall@3", "ndcg@3", "ndcg@5"}, "vs_retriever": {<metric>: {"diff", "ci_low",
+    "ci_high"}} | null}}}. Cells: value (difference vs the retriever order [95% paired bootstrap CI]).
+    """
+    out = [f"### {name}", "", f"{_fmt(r.get('test_users'))} test users, {_fmt(r.get('n_candidates'))} candidates "
+           f"each; value (difference vs retriever [95% CI]). " + provenance(r), "",
+           "| method | " + " | ".join(LABELS[m] for m in METRICS) + " |", "|---|" + "---|" * len(METRICS)]
+    for method, m in r["methods"].items():
+        vs = m.get("vs_retriever") or {}
+        out.append(f"| {method} | " + " | ".join(_cell(_get(m, k), vs.get(k)) for k in METRICS) + " |")
+    return out + [""]
 
 
-def build_benchmarks(results_dir: Path = RESULTS_DIR, out: Path = Path("docs/BENCHMARKS.md")) -> Path:
-    results = read_results(results_dir)
+def eval_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
+    """A `dgr2 eval --out ...` report (reranker.evaluate.evaluate): rerank-ar-<name>.json,
+    diffusion-cft-<name>.json.
+
+    Schema: {"n", "decoder", "tau", "block_size", "split", "recall@1", "recall@3", "ndcg@3",
+    "ndcg@5" (required: at least one), "retriever": {<metric>}, "vs_retriever": {<metric>: {"diff",
+    "ci_low", "ci_high"}}, "valid_rate", "fallback_rate", "copy_order_rate", "failures": {<kind>: n},
+    "mean_generated_tokens", "tokens_per_second", "forward_passes_per_token",
+    optional "vs_baselines": {<baseline>: {<metric>: {"diff", "ci_low", "ci_high"}}},
+    optional "stage_seconds": {<stage>: seconds} (wall-clock of each training stage)}.
+    """
+    dec = r.get("decoder", "?")
+    extra = f", τ = {r['tau']}, block size {r.get('block_size') or 'from model'}" if dec == "diffusion" else ""
+    out = [f"### {name} ({dec}{extra})", "",
+           f"{_fmt(r.get('n'))} {r.get('split', 'test')} users. " + provenance(r), "",
+           "| metric | retriever | model | difference [95% CI] |", "|---|---|---|---|"]
+    ret, vs = r.get("retriever") or {}, r.get("vs_retriever") or {}
+    for k in METRICS:
+        if _get(r, k) is not None:
+            out.append(f"| {LABELS[k]} | {_fmt(ret.get(k))} | {_fmt(_get(r, k))} | {_ci(vs.get(k)) or '–'} |")
+    out += ["", f"Valid-output rate {_fmt(r.get('valid_rate'))}, fallback rate {_fmt(r.get('fallback_rate'))}, "
+                f"copy-the-input-order rate {_fmt(r.get('copy_order_rate'))}; "
+                f"{_fmt(r.get('mean_generated_tokens'), 1)} generated tokens per answer, "
+                f"{_fmt(r.get('tokens_per_second'), 1)} tok/s, "
+                f"{_fmt(r.get('forward_passes_per_token'), 3)} forward passes per token."]
+    if r.get("failures"):
+        out.append("Failures: " + ", ".join(f"{k} {v}" for k, v in r["failures"].items()) + ".")
+    if r.get("vs_baselines"):
+        out += ["", "| vs baseline | " + " | ".join(LABELS[m] for m in METRICS) + " |", "|---|" + "---|" * len(METRICS)]
+        for b, d in r["vs_baselines"].items():
+            out.append(f"| {b} | " + " | ".join(_ci(d.get(k)) or "–" for k in METRICS) + " |")
+    if r.get("stage_seconds"):
+        out += ["", "| training stage | wall seconds |", "|---|---|"]
+        out += [f"| {s} | {_fmt(v, 0)} |" for s, v in r["stage_seconds"].items()]
+    return out + [""]
+
+
+STAGE_COLS = ("recall@1", "recall@3", "ndcg@3")
+
+
+def stages_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
+    """docs/results/stages-<name>.json: the paper's stage table on the same test users.
+
+    Schema: {"test_users", "tau", "block_size", "rows" (required): [{"name" (required; e.g.
+    "retriever", "AR GR2", "naive conversion", "+CFT", "+CFT+OPD", "+CFT+OPD+RL"), "decoder",
+    "recall@1", "recall@3", "ndcg@3", "valid_rate", "tokens_per_second", "speedup_vs_ar",
+    "vs_ar": {<metric>: {"diff", "ci_low", "ci_high"}}, "vs_retriever": {...}, "command", "commit"}],
+    optional "ablations": [rows in the same format]}. Metric keys may also sit under "metrics".
+    Cells: value (difference vs AR [95% paired bootstrap CI]).
+    """
+    def table(rows):
+        t = ["| stage | " + " | ".join(LABELS[m] for m in STAGE_COLS) + " | valid rate | tok/s | speed-up vs AR |",
+             "|---|" + "---|" * (len(STAGE_COLS) + 3)]
+        for row in rows:
+            vs = row.get("vs_ar") or {}
+            t.append(f"| {row.get('name', '?')} | " + " | ".join(_cell(_get(row, k), vs.get(k)) for k in STAGE_COLS)
+                     + f" | {_cell(_get(row, 'valid_rate'), vs.get('valid_rate'))} | "
+                       f"{_fmt(_get(row, 'tokens_per_second'), 1)} | {_fmt(_get(row, 'speedup_vs_ar'), 2)} |")
+        return t
+
+    out = [f"### {name}", "", f"{_fmt(r.get('test_users'))} test users, τ = {r.get('tau', '–')}, block size "
+           f"{_fmt(r.get('block_size'))}; value (difference vs AR GR2 [95% paired bootstrap CI]). " + provenance(r), ""]
+    out += table(r["rows"])
+    if r.get("ablations"):
+        out += ["", "Ablations:", ""] + table(r["ablations"])
+    return out + [""]
+
+
+def _speed_intro(r: dict) -> str:
+    m, s = r.get("machine") or {}, r.get("settings") or {}
+    return (f"{_fmt(s.get('n_prompts'))} prompts (mean {_fmt(s.get('mean_prompt_tokens'), 0)} tokens), block size "
+            f"{_fmt(s.get('block_size'))}, greedy, max {_fmt(s.get('max_new_tokens'))} new tokens; median [min–max] of "
+            f"{_fmt(s.get('repeats'))} repeats after {_fmt(s.get('warmup'))} warm-up, AR and diffusion interleaved in one "
+            f"process. Machine: {_fmt(m.get('cpu_count'))} CPUs, torch {m.get('torch_version', '?')} with "
+            f"{_fmt(m.get('torch_threads'))} threads; load average {m.get('load_average_start', '?')} at start, "
+            f"{m.get('load_average_end', '?')} at end (shared machine: spreads matter). " + provenance(r))
+
+
+def speed_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
+    """docs/results/diffusion-speed-<name>.json (reranker.speed.run_speed_benchmark, `dgr2 speed`).
+
+    Schema (a "stats" is {"median", "min", "max", "q1", "q3", "n", "values"}):
+    {"machine": {"cpu_count", "torch_threads", "torch_version", "load_average_start",
+    "load_average_end"}, "settings": {"block_size", "max_new_tokens", "repeats", "warmup", "n_prompts",
+    "mean_prompt_tokens", "taus", "batch_sizes", "lengths"},
+    "batches" (required): [{"batch_size", "ar": {"tokens_per_second": stats, "forward_passes_per_token",
+    "mean_generated_tokens", "recall@1", "valid_rate"}, "points": [{"tau", "tokens_per_second": stats,
+    "forward_passes_per_token", "tokens_per_step", "mean_generated_tokens", "speedup" (ratio of medians),
+    "speedup_paired": stats (per-repeat ratios), "same_tokens_as_ar", "recall@1", "valid_rate"}]}],
+    "length_curve": [{"length", "batch_size", "ar": {...}, "points": [...]}],
+    "forward_cost": {"context", "rows": [{"batch_size", "one_token_ms": stats, "blocks": [{"block_size",
+    "ms": stats, "ratio"}]}]} | null,
+    "accuracy": {"n", "split", "ar": {...}, "diffusion": [{"tau", "recall@1", "valid_rate", "vs_ar":
+    {"recall@1": {"diff", "ci_low", "ci_high"}}}]} | null}
+    """
+    out = [f"### {name}", "", _speed_intro(r), ""]
+    acc = {p.get("tau"): p for p in ((r.get("accuracy") or {}).get("diffusion") or [])}
+    out += ["| batch | decoder | tok/s | forward passes / token | tokens / step | generated tokens / row | "
+            "speed-up (ratio of medians) | speed-up per repeat | R@1 | R@1 vs AR [95% CI] | valid rate |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in r["batches"]:
+        ar, b = row.get("ar") or {}, row.get("batch_size")
+        out.append(f"| {b} | AR | {_stat(ar.get('tokens_per_second'))} | {_fmt(ar.get('forward_passes_per_token'), 3)} "
+                   f"| 1 | {_fmt(ar.get('mean_generated_tokens'), 1)} | 1 | 1 | {_fmt(ar.get('recall@1'))} | – | "
+                   f"{_fmt(ar.get('valid_rate'))} |")
+        for p in row.get("points") or []:
+            vs = ((acc.get(p.get("tau")) or {}).get("vs_ar") or {}).get("recall@1")
+            out.append(f"| {b} | diffusion τ={_fmt(p.get('tau'), 2)} | {_stat(p.get('tokens_per_second'))} | "
+                       f"{_fmt(p.get('forward_passes_per_token'), 3)} | {_fmt(p.get('tokens_per_step'), 2)} | "
+                       f"{_fmt(p.get('mean_generated_tokens'), 1)} | {_fmt(p.get('speedup'), 2)} | "
+                       f"{_stat(p.get('speedup_paired'), 2)} | {_fmt(p.get('recall@1'))} | {_ci(vs) or '–'} | "
+                       f"{_fmt(p.get('valid_rate'))} |")
+    if not r.get("accuracy"):
+        out += ["", "Accuracy per τ: not measured in this file (`dgr2 speed` with `--data` measures it)."]
+    else:
+        a = r["accuracy"]
+        out += ["", f"Accuracy: `reranker.evaluate` on {_fmt(a.get('n'))} {a.get('split', 'test')} users per point "
+                    "(greedy; batch size does not change the answers)."]
+    fc = r.get("forward_cost")
+    if fc and fc.get("rows"):
+        sizes = [b.get("block_size") for b in fc["rows"][0].get("blocks") or []]
+        out += ["", f"Cost of one forward pass against a KV cache of {_fmt(fc.get('context'))} columns, relative to a "
+                    f"one-token step (median of {_fmt(fc.get('iters'))} interleaved iterations):", "",
+                "| batch | one-token step (ms) | " + " | ".join(f"block of {s}" for s in sizes) + " |",
+                "|---|---|" + "---|" * len(sizes)]
+        for row in fc["rows"]:
+            out.append(f"| {row.get('batch_size')} | {_stat(row.get('one_token_ms'), 2)} | "
+                       + " | ".join(f"{_fmt(b.get('ratio'), 2)}× ({_stat(b.get('ms'), 2)} ms)"
+                                    for b in row.get("blocks") or []) + " |")
+    return out + [""]
+
+
+def frontier_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
+    """The τ frontier from diffusion-speed-<name>.json: Recall@1 vs decode tok/s, one point per τ and
+    batch size, AR as reference. Needs "accuracy" in the file (see speed_section's schema)."""
+    out = [f"### {name}", "", provenance(r), ""]
+    rows = [(row, p) for row in r.get("batches") or [] for p in row.get("points") or []]
+    if not any(p.get("recall@1") is not None for _, p in rows):
+        return out + ["Not measured yet: this speed file has no accuracy per τ (run `dgr2 speed` with `--data`).", ""]
+    out += ["| batch | τ | tok/s | speed-up | R@1 | valid rate |", "|---|---|---|---|---|---|"]
+    for row in r["batches"]:
+        ar = row.get("ar") or {}
+        out.append(f"| {row.get('batch_size')} | AR | {_stat(ar.get('tokens_per_second'))} | 1 | "
+                   f"{_fmt(ar.get('recall@1'))} | {_fmt(ar.get('valid_rate'))} |")
+        for p in row.get("points") or []:
+            out.append(f"| {row.get('batch_size')} | {_fmt(p.get('tau'), 2)} | {_stat(p.get('tokens_per_second'))} | "
+                       f"{_fmt(p.get('speedup'), 2)} | {_fmt(p.get('recall@1'))} | {_fmt(p.get('valid_rate'))} |")
+    out.append("")
+    if ctx is not None:
+        out += ctx.image(plots.plot_tau_frontier(r, ctx.plots_dir / f"tau-frontier-{name}.png",
+                                                 f"τ frontier ({name})"), f"tau frontier {name}")
+    return out
+
+
+def length_batch_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
+    """Speed-up vs output length (the "length_curve" of diffusion-speed-<name>.json, EOS disabled)
+    and vs batch size (its "batches"). See speed_section for the schema."""
+    out = [f"### {name}", "", provenance(r), ""]
+    curve = r.get("length_curve") or []
+    if curve:
+        out += ["Both decoders generate exactly L tokens per row (EOS disabled). Tokens past the model's natural "
+                "end are out of distribution for its confidence, so this measures the decoding mechanics "
+                "(cost per step vs tokens per step as the cache grows), not accuracy-preserving speed.", "",
+                "| L | batch | AR tok/s | τ | diffusion tok/s | tokens / step | forward passes / token | "
+                "speed-up per repeat |", "|---|---|---|---|---|---|---|---|"]
+        for row in curve:
+            for p in row.get("points") or []:
+                out.append(f"| {row.get('length')} | {row.get('batch_size')} | "
+                           f"{_stat((row.get('ar') or {}).get('tokens_per_second'))} | {_fmt(p.get('tau'), 2)} | "
+                           f"{_stat(p.get('tokens_per_second'))} | {_fmt(p.get('tokens_per_step'), 2)} | "
+                           f"{_fmt(p.get('forward_passes_per_token'), 3)} | {_stat(p.get('speedup_paired'), 2)} |")
+        out.append("")
+    else:
+        out += ["Speed-up vs output length: not measured in this file (`dgr2 speed --lengths 64,128,256`).", ""]
+    if ctx is not None:
+        out += ctx.image(plots.plot_speedup_vs_length(r, ctx.plots_dir / f"speedup-length-{name}.png",
+                                                      f"Speed-up vs output length ({name})"), f"speed-up vs length {name}")
+        out += ctx.image(plots.plot_speedup_vs_batch(r, ctx.plots_dir / f"speedup-batch-{name}.png",
+                                                     f"Speed-up vs batch size ({name})"), f"speed-up vs batch {name}")
+    return out
+
+
+def service_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
+    """docs/results/service-load.json (reranker.service.loadtest, `dgr2 loadtest --out ...`).
+
+    Schema: {"runs" (required): [{"concurrency", "options": {"decoder", ...}, "qps", "latency_ms":
+    {"p50", "p95", "p99", "mean", "max"}, "ok", "errors": {<status code>: n}, "requests_sent",
+    "mean_batch_size", "fallback_rate"}], "diffusion_over_ar_qps": {<concurrency>: ratio}}.
+    """
+    out = [f"### {name}", "", provenance(r), "",
+           "| decoder | concurrency | QPS | p50 ms | p95 ms | p99 ms | ok | errors | mean batch | fallback rate |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for run in r["runs"]:
+        lat = run.get("latency_ms") or {}
+        errs = ", ".join(f"{k} {v}" for k, v in (run.get("errors") or {}).items()) or "0"
+        out.append(f"| {(run.get('options') or {}).get('decoder') or run.get('decoder', '?')} | {run.get('concurrency')} | "
+                   f"{_fmt(run.get('qps'), 2)} | {_fmt(lat.get('p50'), 1)} | {_fmt(lat.get('p95'), 1)} | "
+                   f"{_fmt(lat.get('p99'), 1)} | {_fmt(run.get('ok'))} | {errs} | {_fmt(run.get('mean_batch_size'), 2)} | "
+                   f"{_fmt(run.get('fallback_rate'))} |")
+    if r.get("diffusion_over_ar_qps"):
+        out += ["", "Diffusion QPS ÷ AR QPS: " + ", ".join(f"concurrency {c}: {_fmt(v, 2)}×"
+                                                          for c, v in r["diffusion_over_ar_qps"].items()) + "."]
+    out.append("")
+    if ctx is not None:
+        out += ctx.image(plots.plot_service_load(r, ctx.plots_dir / f"{name}.png", f"Service load ({name})"),
+                         f"service load {name}")
+    return out
+
+
+def recbole_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
+    """docs/results/recbole-e2e-<name>.json: RecBole's own evaluator (full sort, same config) on
+    SASRec alone vs SASRec + AR GR2 vs SASRec + Diffusion-GR2.
+
+    Schema: {"dataset", "history_masked" (bool), "n_users", "rows" (required; or "models": {<name>:
+    {<metric>: value}}): [{"name" (required), "decoder", "tau", "recall@10", "ndcg@10", any other
+    numeric metric, "seconds"}]}. Columns: recall@10 and ndcg@10 first, then every other numeric key.
+    """
+    rows = r.get("rows")
+    if rows is None:
+        rows = [{"name": k, **v} for k, v in (r.get("models") or {}).items()]
+    if not rows:
+        raise KeyError("rows")
+    skip = {"name", "decoder", "tau", "block_size", "command", "commit"}
+    keys = [k for k in ("recall@10", "ndcg@10") if any(k in x for x in rows)]
+    keys += sorted({k for x in rows for k, v in x.items()
+                    if k not in skip and k not in keys and isinstance(v, (int, float)) and not isinstance(v, bool)})
+    out = [f"### {r.get('dataset', name)}", "",
+           f"RecBole `Trainer.evaluate`, full sort; history items masked: {_fmt(r.get('history_masked'))}; "
+           f"{_fmt(r.get('n_users'))} test users. " + provenance(r), "",
+           "| model | " + " | ".join(LABELS.get(k, k) for k in keys) + " |", "|---|" + "---|" * len(keys)]
+    for x in rows:
+        label = x.get("name", "?") + (f" (τ = {x['tau']})" if x.get("tau") is not None else "")
+        out.append(f"| {label} | " + " | ".join(_fmt(x.get(k)) for k in keys) + " |")
+    return out + [""]
+
+
+# ------------------------------------------------------------------------------------------ the page
+
+@dataclass
+class Section:
+    title: str
+    prefix: str
+    render: Callable
+    produce: str  # the command that writes the file(s)
+    intro: str = ""
+
+
+SECTIONS = [
+    Section("Retrieval: SASRec (RecBole) + FAISS", "retrieval-", retrieval_section,
+            "dgr2 retrieve --config configs/<name>.yaml --results docs/results/retrieval-<name>.json"),
+    Section("Re-ranking baselines (no language model)", "rerank-baselines-", baselines_section,
+            "reranker.baselines.run_baselines + save_baselines -> docs/results/rerank-baselines-<name>.json"),
+    Section("AR re-ranker (GR2)", "rerank-ar-", eval_section,
+            "dgr2 eval --model <ar_dir> --data <data_dir> --decoder ar --out docs/results/rerank-ar-<name>.json"),
+    Section("Diffusion re-ranker after CFT", "diffusion-cft-", eval_section,
+            "dgr2 eval --model <cft_dir> --data <data_dir> --decoder diffusion --tau 0.9 --block-size 32 "
+            "--out docs/results/diffusion-cft-<name>.json"),
+    Section("Stage table: retriever → AR → conversion → CFT → OPD → RL", "stages-", stages_section,
+            "the stage-table evaluation of the OPD/RL issue -> docs/results/stages-<name>.json"),
+    Section("Decode speed: block diffusion vs AR", "diffusion-speed-", speed_section,
+            "dgr2 speed --ar <ar_dir> --diffusion <diff_dir> --data <data_dir> "
+            "--out docs/results/diffusion-speed-<name>.json"),
+    Section("τ frontier: Recall@1 vs decode speed", "diffusion-speed-", frontier_section,
+            "dgr2 speed --ar <ar_dir> --diffusion <diff_dir> --data <data_dir> "
+            "--out docs/results/diffusion-speed-<name>.json"),
+    Section("Speed-up vs output length and batch size", "diffusion-speed-", length_batch_section,
+            "dgr2 speed --ar <ar_dir> --diffusion <diff_dir> --data <data_dir> "
+            "--out docs/results/diffusion-speed-<name>.json"),
+    Section("Service load (gRPC)", "service-load", service_section,
+            "dgr2 loadtest --target 127.0.0.1:50051 --requests <candidates.jsonl> --n 5000 --decoders ar,diffusion "
+            "--concurrency 1,8,32 --out docs/results/service-load.json"),
+    Section("RecBole end to end: SASRec alone vs + AR GR2 vs + Diffusion-GR2", "recbole-e2e-", recbole_section,
+            "the RecBole end-to-end evaluation (integration/recbole_model.py) -> docs/results/recbole-e2e-<name>.json"),
+]
+
+
+def _matches(stem: str, prefix: str) -> bool:
+    return stem.startswith(prefix) or stem == prefix.rstrip("-")
+
+
+def render_page(results: dict[str, dict], ctx: Ctx) -> list[str]:
     lines = ["# Benchmarks", "",
-             "Generated by `dgr2 bench` from `docs/results/*.json`; each table names the command and",
-             "commit that produced its numbers. Machine: 2 CPU cores, 24 GB RAM, no GPU.", ""]
-    for name, r in results.items():
-        for prefix, render in SECTIONS.items():
-            if name.startswith(prefix):
-                lines += render(name, r)
-    atomic_write_text(out, "\n".join(lines) + "\n")
+             "Generated by `dgr2 bench` from `docs/results/*.json` only; each table names the command and commit",
+             "that produced its numbers. Development machine: 2 CPU cores, 24 GB RAM, no GPU, shared with other jobs",
+             "(speed numbers carry their spread and the load average). Do not edit by hand: rerun `dgr2 bench`.", ""]
+    used = set()
+    for sec in SECTIONS:
+        lines += [f"## {sec.title}", ""]
+        names = [n for n in results if _matches(n, sec.prefix)]
+        if not names:
+            lines += [f"Not measured yet. Produced by: `{sec.produce}`.", ""]
+            continue
+        for n in names:
+            used.add(n)
+            short = _name(n, sec.prefix)
+            try:
+                lines += sec.render(short, results[n], ctx)
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+                log.warning("bench: could not render %s.json: %r", n, e)
+                lines += [f"Could not render `{n}.json`: {type(e).__name__} {e} (see the schema in "
+                          f"`integration/bench.py`, `{sec.render.__name__}`).", ""]
+    other = [n for n in results if n not in used]
+    if other:
+        lines += ["## Other result files", "", "Not rendered by any section: "
+                  + ", ".join(f"`{n}.json`" for n in other) + ".", ""]
+    return lines
+
+
+def build_benchmarks(results_dir: Path = RESULTS_DIR, out: Path = Path("docs/BENCHMARKS.md"),
+                     plots_dir: Path | None = None) -> Path:
+    """Rebuild `out` (and PNGs under plots_dir, default <out's folder>/plots) from results_dir/*.json."""
+    out = Path(out)
+    ctx = Ctx(plots_dir=Path(plots_dir) if plots_dir is not None else out.parent / "plots", page_dir=out.parent)
+    lines = render_page(read_results(results_dir), ctx)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out, "\n".join(lines).rstrip() + "\n")
     return out

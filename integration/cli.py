@@ -56,10 +56,32 @@ def cmd_results(args) -> int:
     return 0
 
 
+def cmd_speed(args) -> int:
+    from reranker.speed import format_speed, run_speed_benchmark
+
+    def ints(s):
+        return tuple(int(x) for x in s.split(",") if x.strip())
+
+    def floats(s):
+        return tuple(float(x) for x in s.split(",") if x.strip())
+
+    rep = run_speed_benchmark(
+        args.ar, args.diffusion, args.data, args.out, n_prompts=args.n_prompts, split=args.split,
+        command="dgr2 " + " ".join(sys.argv[1:]), accuracy=not args.no_accuracy, accuracy_limit=args.accuracy_limit,
+        batch_sizes=ints(args.batch_sizes), taus=floats(args.taus), block_size=args.block_size,
+        max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup, threads=args.threads,
+        lengths=ints(args.lengths), length_taus=floats(args.length_taus), forward_blocks=ints(args.forward_blocks),
+        progress=logging.getLogger("dgr2.speed").info)
+    print(format_speed(rep))
+    if args.out:
+        print(f"results written to {args.out}")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from .bench import build_benchmarks
 
-    print(f"wrote {build_benchmarks()}")
+    print(f"wrote {build_benchmarks(args.results, args.out, args.plots)}")
     return 0
 
 
@@ -204,8 +226,31 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--out", required=True)
     x.add_argument("--command", required=True, help="the command that produced the artifacts")
     x.set_defaults(func=cmd_results)
-    b = sub.add_parser("bench", help="rebuild docs/BENCHMARKS.md from docs/results/*.json")
+    b = sub.add_parser("bench", help="rebuild docs/BENCHMARKS.md and docs/plots/*.png from docs/results/*.json")
+    b.add_argument("--results", default="docs/results", help="directory of result JSON files")
+    b.add_argument("--out", default="docs/BENCHMARKS.md")
+    b.add_argument("--plots", default=None, help="PNG directory (default: <out's folder>/plots)")
     b.set_defaults(func=cmd_bench)
+    s = sub.add_parser("speed", help="decode speed: block diffusion vs AR side by side (+ accuracy per tau)")
+    s.add_argument("--ar", required=True, help="AR model directory")
+    s.add_argument("--diffusion", required=True, help="converted (diffusion) model directory")
+    s.add_argument("--data", required=True, help="re-ranking data directory (prompts and accuracy examples)")
+    s.add_argument("--split", default="test", choices=["train", "valid", "test"])
+    s.add_argument("--out", help="write the report to this docs/results JSON file (diffusion-speed-<name>.json)")
+    s.add_argument("--n-prompts", type=int, default=8, help="prompts timed per run (first N of the split)")
+    s.add_argument("--batch-sizes", default="1,8")
+    s.add_argument("--taus", default="1.0,0.9,0.8,0.6,0.4")
+    s.add_argument("--block-size", type=int, default=None, help="default: the one recorded in the model")
+    s.add_argument("--max-new-tokens", type=int, default=320)
+    s.add_argument("--repeats", type=int, default=5)
+    s.add_argument("--warmup", type=int, default=1)
+    s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's current setting)")
+    s.add_argument("--lengths", default="64,128,256", help="output-length curve, EOS disabled ('' to skip)")
+    s.add_argument("--length-taus", default="0.9,1.0")
+    s.add_argument("--forward-blocks", default="8,16,32", help="forward-cost microbenchmark ('' to skip)")
+    s.add_argument("--no-accuracy", action="store_true", help="skip Recall@1 / valid rate per tau")
+    s.add_argument("--accuracy-limit", type=int, default=None, help="accuracy on the first N examples only")
+    s.set_defaults(func=cmd_speed)
     e = sub.add_parser("eval", help="re-rank a split with a model and report metrics with CIs")
     e.add_argument("--model", required=True, help="model directory (AR or converted diffusion)")
     e.add_argument("--data", required=True, help="re-ranking data directory (dgr2 data build)")

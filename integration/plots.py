@@ -1,0 +1,173 @@
+"""PNG plots for docs/BENCHMARKS.md, drawn only from docs/results/*.json documents.
+
+Uses matplotlib's object API on the Agg canvas (no pyplot global state, no display needed). Each
+function takes one result document (the schema is in integration/bench.py), writes one PNG and
+returns its path, or returns None when the document holds nothing to plot (then nothing is written).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+_META = {"Software": None}  # keep the PNG bytes free of the matplotlib version
+
+
+def _new(figsize=(6.0, 4.0)):
+    fig = Figure(figsize=figsize, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, metadata=_META)
+    return path
+
+
+def _med(s):
+    """Median of a stats dict (reranker.speed.stats) or a bare number."""
+    if isinstance(s, dict):
+        return s.get("median")
+    return s
+
+
+def _err(s):
+    """(lower, upper) error-bar lengths from a stats dict's min/max, or (0, 0)."""
+    if isinstance(s, dict) and s.get("median") is not None and s.get("min") is not None and s.get("max") is not None:
+        return s["median"] - s["min"], s["max"] - s["median"]
+    return 0.0, 0.0
+
+
+def _log2_axis(ax, values):
+    """A base-2 log x axis ticked at the measured values, labelled as plain numbers."""
+    ax.set_xscale("log", base=2)
+    ticks = sorted({v for v in values if v})
+    ax.set_xticks(ticks)
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def _speedup(p):
+    """The per-repeat (paired) speed-up stats if present, else the ratio of medians."""
+    return p.get("speedup_paired") or p.get("speedup")
+
+
+def plot_tau_frontier(doc: dict, path, title: str = "") -> Path | None:
+    """Recall@1 vs decode tokens/s: one point per tau per batch size, AR as the reference star."""
+    fig = _new()
+    ax = fig.add_subplot()
+    drawn = False
+    for row in doc.get("batches") or []:
+        pts = [p for p in row.get("points") or [] if p.get("recall@1") is not None and _med(p.get("tokens_per_second"))]
+        if not pts:
+            continue
+        b = row.get("batch_size")
+        xs = [_med(p["tokens_per_second"]) for p in pts]
+        line = ax.plot(xs, [p["recall@1"] for p in pts], "o-", label=f"diffusion, batch {b}")[0]
+        for p, x in zip(pts, xs):
+            ax.annotate(f"τ={p['tau']:g}", (x, p["recall@1"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ar = row.get("ar") or {}
+        if ar.get("recall@1") is not None and _med(ar.get("tokens_per_second")):
+            ax.plot([_med(ar["tokens_per_second"])], [ar["recall@1"]], "*", ms=14, color=line.get_color(),
+                    label=f"AR, batch {b}")
+        drawn = True
+    if not drawn:
+        return None
+    ax.set_xlabel("decode tokens/s (median)")
+    ax.set_ylabel("Recall@1")
+    ax.set_title(title or "τ frontier: accuracy vs decode speed")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_speedup_vs_length(doc: dict, path, title: str = "") -> Path | None:
+    """Diffusion / AR speed-up vs generated length (EOS disabled), one line per (tau, batch);
+    error bars span the min..max of the per-repeat ratios."""
+    series = {}
+    for row in doc.get("length_curve") or []:
+        for p in row.get("points") or []:
+            s = _speedup(p)
+            if _med(s) is None:
+                continue
+            series.setdefault((p.get("tau"), row.get("batch_size")), []).append((row.get("length"), s))
+    if not series:
+        return None
+    fig = _new()
+    ax = fig.add_subplot()
+    for (tau, b), pts in sorted(series.items(), key=lambda kv: (str(kv[0][1]), str(kv[0][0]))):
+        pts.sort(key=lambda t: t[0])
+        errs = list(zip(*[_err(s) for _, s in pts]))
+        ax.errorbar([L for L, _ in pts], [_med(s) for _, s in pts], yerr=errs, marker="o", capsize=3,
+                    label=f"τ={tau:g}, batch {b}")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    _log2_axis(ax, [L for pts in series.values() for L, _ in pts])
+    ax.set_xlabel("generated tokens per row (EOS disabled)")
+    ax.set_ylabel("speed-up (diffusion tok/s ÷ AR tok/s)")
+    ax.set_title(title or "Speed-up vs output length")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_speedup_vs_batch(doc: dict, path, title: str = "") -> Path | None:
+    """Diffusion / AR speed-up vs batch size at the model's natural output length, one line per tau."""
+    series = {}
+    for row in doc.get("batches") or []:
+        for p in row.get("points") or []:
+            s = _speedup(p)
+            if _med(s) is not None:
+                series.setdefault(p.get("tau"), []).append((row.get("batch_size"), s))
+    if not series:
+        return None
+    fig = _new()
+    ax = fig.add_subplot()
+    for tau, pts in sorted(series.items(), key=lambda kv: -(kv[0] or 0)):
+        pts.sort(key=lambda t: t[0])
+        errs = list(zip(*[_err(s) for _, s in pts]))
+        ax.errorbar([b for b, _ in pts], [_med(s) for _, s in pts], yerr=errs, marker="o", capsize=3,
+                    label=f"τ={tau:g}")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    _log2_axis(ax, [b for pts in series.values() for b, _ in pts])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("speed-up (diffusion tok/s ÷ AR tok/s)")
+    ax.set_title(title or "Speed-up vs batch size")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_service_load(doc: dict, path, title: str = "") -> Path | None:
+    """QPS and p50 / p99 latency vs concurrency, one line per decoder."""
+    by_dec = {}
+    for r in doc.get("runs") or []:
+        dec = (r.get("options") or {}).get("decoder") or r.get("decoder") or "?"
+        if r.get("concurrency") is not None and r.get("qps") is not None:
+            by_dec.setdefault(dec, []).append(r)
+    if not by_dec:
+        return None
+    fig = _new((9.0, 3.8))
+    ax_q, ax_l = fig.subplots(1, 2)
+    for dec, rs in sorted(by_dec.items()):
+        rs.sort(key=lambda r: r["concurrency"])
+        c = [r["concurrency"] for r in rs]
+        line = ax_q.plot(c, [r["qps"] for r in rs], "o-", label=dec)[0]
+        lat = [r.get("latency_ms") or {} for r in rs]
+        for key, style in (("p50", "o-"), ("p99", "s--")):
+            ys = [x.get(key) for x in lat]
+            if any(y is not None for y in ys):
+                ax_l.plot(c, [float("nan") if y is None else y for y in ys], style, color=line.get_color(),
+                          label=f"{dec} {key}")
+    for ax in (ax_q, ax_l):
+        _log2_axis(ax, [r["concurrency"] for rs in by_dec.values() for r in rs])
+        ax.set_xlabel("concurrency")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    ax_q.set_ylabel("requests/s")
+    ax_l.set_ylabel("latency (ms)")
+    fig.suptitle(title or "Service load")
+    return _save(fig, path)
