@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/dgr2 demo --config configs/demo.yaml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests -q
 
 # Regenerates the committed stubs (protoc -I proto, then the one generated import made relative).
 proto: $(STAMP)

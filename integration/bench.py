@@ -418,14 +418,14 @@ SECTIONS = [
     Section("Retrieval: SASRec (RecBole) + FAISS", "retrieval-", retrieval_section,
             "dgr2 retrieve --config configs/<name>.yaml --results docs/results/retrieval-<name>.json"),
     Section("Re-ranking baselines (no language model)", "rerank-baselines-", baselines_section,
-            "reranker.baselines.run_baselines + save_baselines -> docs/results/rerank-baselines-<name>.json"),
+            "dgr2 baselines --config configs/<name>.yaml --results docs/results/rerank-baselines-<name>.json"),
     Section("AR re-ranker (GR2)", "rerank-ar-", eval_section,
             "dgr2 eval --model <ar_dir> --data <data_dir> --decoder ar --out docs/results/rerank-ar-<name>.json"),
     Section("Diffusion re-ranker after CFT", "diffusion-cft-", eval_section,
             "dgr2 eval --model <cft_dir> --data <data_dir> --decoder diffusion --tau 0.9 --block-size 32 "
             "--out docs/results/diffusion-cft-<name>.json"),
     Section("Stage table: retriever → AR → conversion → CFT → OPD → RL", "stages-", stages_section,
-            "the stage-table evaluation of the OPD/RL issue -> docs/results/stages-<name>.json"),
+            "dgr2 pipeline --config configs/<name>.yaml --results docs/results/stages-<name>.json"),
     Section("Decode speed: block diffusion vs AR", "diffusion-speed-", speed_section,
             "dgr2 speed --ar <ar_dir> --diffusion <diff_dir> --data <data_dir> "
             "--out docs/results/diffusion-speed-<name>.json"),

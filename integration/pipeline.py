@@ -140,10 +140,17 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     table = evaluate_rows(rows, data_dir, section(cfg, "eval"), out / "eval")
     timings["eval"] = time.time() - t
 
-    summary = {"name": cfg.get("name"), "retrieval": {k: retrieval.get(k) for k in
+    keep = ("recall@1", "recall@3", "ndcg@3", "ndcg@5", "valid_rate", "fallback_rate", "copy_order_rate",
+            "tokens_per_second", "forward_passes_per_token", "mean_generated_tokens", "speedup_vs_ar", "vs_ar",
+            "vs_retriever", "failures", "decoder", "model")
+    rows = [{"name": "retriever order", **table[0]["retriever"]}] if table else []
+    rows += [{"name": rep["label"], **{k: rep.get(k) for k in keep}} for rep in table]
+    summary = {"name": cfg.get("name"), "test_users": table[0]["n"] if table else 0,
+               "tau": float(section(cfg, "eval").get("tau", 0.9)), "block_size": block, "rows": rows,
+               "retrieval": {k: retrieval.get(k) for k in
                ("recall@10", "ndcg@10", "recall@10_masked", "ndcg@10_masked", "test_users_target_in_top10")},
                "baselines": json.loads((data_dir / "baselines.json").read_text())["methods"],
-               "stages": table, "timings": timings,
+               "timings": timings,
                "stage_wall_seconds": {r["name"]: (read_done(r["output_dir"]) or {}).get("wall_seconds")
                                       for r in ar_runs + d_runs}}
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
@@ -187,20 +194,17 @@ def evaluate_rows(rows, data_dir: Path, ecfg: dict, eval_dir: Path) -> list[dict
 
 
 def format_summary(summary: dict) -> str:
-    stages = summary["stages"]
-    first = stages[0] if stages else None
-    lines = [f"{'row':22s} {'R@1':>7s} {'R@3':>7s} {'NDCG@3':>7s} {'valid':>7s} {'tok/s':>8s} {'speed-up':>8s}"]
-    if first:
-        r = first["retriever"]
-        lines.append(f"{'retriever order':22s} {r['recall@1']:7.4f} {r['recall@3']:7.4f} {r['ndcg@3']:7.4f} "
-                     f"{1.0:7.3f} {'-':>8s} {'-':>8s}")
-    for name, b in summary.get("baselines", {}).items():
-        if name == "retriever":
-            continue
-        m = b["metrics"]
-        lines.append(f"{name:22s} {m['recall@1']:7.4f} {m['recall@3']:7.4f} {m['ndcg@3']:7.4f} {'-':>7s} {'-':>8s} {'-':>8s}")
-    for rep in stages:
-        sp = f"{rep['speedup_vs_ar']:.2f}x" if rep.get("speedup_vs_ar") else "-"
-        lines.append(f"{rep['label']:22s} {rep['recall@1']:7.4f} {rep['recall@3']:7.4f} {rep['ndcg@3']:7.4f} "
-                     f"{rep['valid_rate']:7.3f} {rep['tokens_per_second']:8.1f} {sp:>8s}")
+    lines = [f"{'row':22s} {'R@1':>7s} {'R@3':>7s} {'NDCG@3':>7s} {'valid':>7s} {'tok/s':>8s} {'speed-up':>8s}"
+             f"  R@1 vs AR (95% CI)"]
+    rows = summary["rows"]
+    baselines = [{"name": n, **b["metrics"]} for n, b in summary.get("baselines", {}).items() if n != "retriever"]
+    for r in rows[:1] + baselines + rows[1:]:
+        valid = f"{r['valid_rate']:7.3f}" if r.get("valid_rate") is not None else f"{'-':>7s}"
+        tps = f"{r['tokens_per_second']:8.1f}" if r.get("tokens_per_second") else f"{'-':>8s}"
+        sp = f"{r['speedup_vs_ar']:.2f}x" if r.get("speedup_vs_ar") else "-"
+        ci = r.get("vs_ar", {}) or {}
+        ci = (f"  {ci['recall@1']['diff']:+.4f} [{ci['recall@1']['ci_low']:+.4f}, {ci['recall@1']['ci_high']:+.4f}]"
+              if ci.get("recall@1") else "")
+        lines.append(f"{r['name']:22s} {r['recall@1']:7.4f} {r['recall@3']:7.4f} {r['ndcg@3']:7.4f} {valid} {tps} "
+                     f"{sp:>8s}{ci}")
     return "\n".join(lines)
