@@ -180,6 +180,41 @@ def load_items(path: str | os.PathLike) -> ItemTable:
     return table
 
 
+def read_jsonl(path: str | os.PathLike, required: dict[str, type] | None = None,
+               limit: int | None = None, check=None) -> list[dict]:
+    """JSON-lines records; `required` fields are checked by type, then `check(row)` may return an
+    error message ("field 'x': ..."). Errors name file, line and field."""
+    import json
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: file not found")
+    rows: list[dict] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            for name, typ in (required or {}).items():
+                if name not in row:
+                    raise ValueError(f"{path}:{lineno}: field {name!r} is missing")
+                value = row[name]
+                if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+                    raise ValueError(f"{path}:{lineno}: field {name!r}: expected {typ.__name__}, got {value!r:.60}")
+            problem = check(row) if check is not None else None
+            if problem:
+                raise ValueError(f"{path}:{lineno}: {problem}")
+            rows.append(row)
+            if limit is not None and len(rows) >= limit:
+                break
+    return rows
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write text to a temp file beside `path`, then rename: readers never see half a file."""
     path = Path(path)

@@ -47,6 +47,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from candidate_gen.atomic import atomic_write_text, load_items
+from candidate_gen.atomic import read_jsonl as _read_jsonl
 from candidate_gen.split import train_sequences
 from reranker.evidence import candidates_evidence, item_meta_lookup
 from reranker.features import FeatureContext
@@ -64,35 +65,18 @@ _SHOWN_RE = re.compile(r"History \(oldest first, (\d+) of \d+\)")
 
 
 # ---------------------------------------------------------------- reading the retrieval artifacts
+def _check_candidates(row: Mapping) -> str | None:
+    cands = row["candidates"]
+    if len(set(cands)) != len(cands):
+        return "field 'candidates': an item appears twice"
+    if len(row["scores"]) != len(cands):
+        return f"field 'scores': {len(row['scores'])} scores for {len(cands)} candidates"
+    return None
+
+
 def read_jsonl(path, required: Mapping[str, type] = _ROW_FIELDS) -> list[dict]:
-    """JSONL rows with the ``required`` fields type-checked; errors name file, line and field."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: file not found")
-    rows = []
-    with open(path, encoding="utf-8") as handle:
-        for lineno, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            try:
-                row = json.loads(raw)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
-            for name, typ in required.items():
-                if name not in row:
-                    raise ValueError(f"{path}:{lineno}: field {name!r} is missing")
-                value = row[name]
-                if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-                    raise ValueError(f"{path}:{lineno}: field {name!r}: expected {typ.__name__}, got {value!r:.60}")
-            if "candidates" in required:
-                cands = row["candidates"]
-                if len(set(cands)) != len(cands):
-                    raise ValueError(f"{path}:{lineno}: field 'candidates': an item appears twice")
-                if len(row["scores"]) != len(cands):
-                    raise ValueError(f"{path}:{lineno}: field 'scores': {len(row['scores'])} scores for "
-                                     f"{len(cands)} candidates")
-            rows.append(row)
-    return rows
+    """Candidate-list rows with the ``required`` fields type-checked; errors name file, line and field."""
+    return _read_jsonl(path, dict(required), check=_check_candidates if "candidates" in required else None)
 
 
 def load_retrieval(retrieval_dir) -> tuple[dict[str, list[str]], dict[str, list[dict]]]:

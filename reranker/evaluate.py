@@ -14,30 +14,17 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from candidate_gen.atomic import read_jsonl
+
 from .answer import FAILURE_KINDS
 from .engine import DecodeOptions, RerankEngine, RerankRequest
 from .metrics import compare, new_ranks, summarize
 
 
 def load_examples(path: Path, limit: int | None = None) -> list[dict]:
-    if not path.exists():
+    if not Path(path).exists():
         raise FileNotFoundError(f"{path}: missing; build the re-ranking data with `dgr2 data build`")
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {lineno}: not valid JSON ({e.msg})") from None
-            for key in ("history", "candidates", "target_index"):
-                if key not in row:
-                    raise ValueError(f"{path}: line {lineno}: missing field {key!r}")
-            rows.append(row)
-            if limit and len(rows) >= limit:
-                break
-    return rows
+    return read_jsonl(path, {"history": list, "candidates": list, "target_index": int}, limit)
 
 
 def evaluate(engine: RerankEngine, examples: list[dict], options: DecodeOptions, batch_size: int = 8,

@@ -33,25 +33,15 @@ import numpy as np
 
 from proto.diffusion_gr2.v1 import reranker_pb2_grpc as pb_grpc
 
+from candidate_gen.atomic import read_jsonl
+
 from .client import channel, decode_options, rerank_request
 
 
 def load_requests(path: str | Path, limit: int | None = None) -> list[dict]:
     """Rows {history, candidates, scores?, user?} from a JSONL file (at most `limit`)."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {lineno}: not JSON ({e.msg})") from None
-            if not isinstance(row, dict) or not row.get("candidates"):
-                raise ValueError(f"{path}: line {lineno}: needs an object with a non-empty 'candidates' list")
-            rows.append(row)
-            if limit and len(rows) >= limit:
-                break
+    rows = read_jsonl(path, {"candidates": list}, limit,
+                      check=lambda row: None if row["candidates"] else "field 'candidates' is empty")
     if not rows:
         raise ValueError(f"{path}: no requests")
     return rows

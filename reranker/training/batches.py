@@ -14,29 +14,16 @@ from pathlib import Path
 
 import torch
 
+from candidate_gen.atomic import read_jsonl as _read_jsonl
+
 IM_END = "<|im_end|>"
 THINK_CLOSE = "</think>"
 IGNORE = -100  # labels value that no loss looks at (the HF convention)
 
 
 def read_jsonl(path, limit: int | None = None) -> list[dict]:
-    """Records of a JSONL file; errors name the file and line."""
-    path = Path(path)
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path.name}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(rec, dict) or "prompt_messages" not in rec or "assistant" not in rec:
-                raise ValueError(f"{path.name}:{lineno}: a record needs 'prompt_messages' and 'assistant'")
-            out.append(rec)
-            if limit is not None and len(out) >= limit:
-                break
-    return out
+    """Training records (they need 'prompt_messages' and 'assistant'); errors name the file and line."""
+    return _read_jsonl(path, {"prompt_messages": list, "assistant": str}, limit)
 
 
 def _ids(encoded) -> list[int]:
