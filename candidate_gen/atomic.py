@@ -215,7 +215,7 @@ def read_jsonl(path: str | os.PathLike, required: dict[str, type] | None = None,
     return rows
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """Write text to a temp file beside `path`, then rename: readers never see half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -223,11 +223,13 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a result or data file is for everyone to read
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    return path
 
 
 def write_interactions(path, users, items, timestamps) -> None:

@@ -55,7 +55,7 @@ def save_model(model, tokenizer, path):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    model.save_pretrained(str(tmp))
+    model.save_pretrained(str(tmp), safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp))
     old = None
@@ -64,7 +64,7 @@ def save_model(model, tokenizer, path):
         os.rename(path, old)
     os.rename(tmp, path)
     if old is not None:
-        shutil.rmtree(old)
+        shutil.rmtree(old, ignore_errors=True)
     return path
 
 

@@ -23,20 +23,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from candidate_gen.atomic import atomic_write_text
+from reranker.model import save_model
+
 FORMAT = 1
 _NAME = re.compile(r"^step(\d{8})-([0-9a-f]+)\.pt$")
 
 
 # ---------------------------------------------------------------------------- atomic writes
-
-def atomic_write_text(path, text: str) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-    return path
-
 
 def atomic_write_json(path, obj) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
@@ -57,14 +51,8 @@ def replace_dir(src, dst) -> Path:
 
 
 def save_hf_dir(model, tokenizer, path) -> Path:
-    """save_pretrained (safetensors) + tokenizer into a sibling temp dir, then rename into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    model.save_pretrained(str(tmp), safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(tmp))
-    return replace_dir(tmp, path)
+    """save_pretrained (safetensors) + tokenizer, written aside and renamed into place."""
+    return save_model(model, tokenizer, path)
 
 
 # ---------------------------------------------------------------------------- RNG
