@@ -150,6 +150,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
                "retrieval": {k: retrieval.get(k) for k in
                ("recall@10", "ndcg@10", "recall@10_masked", "ndcg@10_masked", "test_users_target_in_top10")},
                "baselines": json.loads((data_dir / "baselines.json").read_text())["methods"],
+               "baselines_info": {"test_users": json.loads((data_dir / "baselines.json").read_text())["test_users"]},
                "timings": timings,
                "stage_wall_seconds": {r["name"]: (read_done(r["output_dir"]) or {}).get("wall_seconds")
                                       for r in ar_runs + d_runs}}
@@ -194,9 +195,12 @@ def evaluate_rows(rows, data_dir: Path, ecfg: dict, eval_dir: Path) -> list[dict
 
 
 def format_summary(summary: dict) -> str:
-    lines = [f"{'row':22s} {'R@1':>7s} {'R@3':>7s} {'NDCG@3':>7s} {'valid':>7s} {'tok/s':>8s} {'speed-up':>8s}"
-             f"  R@1 vs AR (95% CI)"]
     rows = summary["rows"]
+    n_base = next((b.get("test_users") for b in [summary.get("baselines_info", {})]), None)
+    lines = [f"language-model rows and the retriever row: {summary.get('test_users')} test users; "
+             f"baseline rows (random, co-purchase, learned scorer): all {n_base or '?'} test users",
+             f"{'row':22s} {'R@1':>7s} {'R@3':>7s} {'NDCG@3':>7s} {'valid':>7s} {'tok/s':>8s} {'speed-up':>8s}"
+             f"  R@1 vs AR (95% CI)"]
     baselines = [{"name": n, **b["metrics"]} for n, b in summary.get("baselines", {}).items() if n != "retriever"]
     for r in rows[:1] + baselines + rows[1:]:
         valid = f"{r['valid_rate']:7.3f}" if r.get("valid_rate") is not None else f"{'-':>7s}"
