@@ -116,6 +116,22 @@ def recbole_agreement(run, encoder: SasrecEncoder, test_items: dict[str, list[st
     return same / max(total, 1)
 
 
+def hnsw_recall(emb: np.ndarray, item_ids: list[str], queries: np.ndarray, k: int = 10) -> float:
+    """Mean overlap of HNSW's top-k with exact inner-product top-k (default HNSW settings)."""
+    exact = ItemIndex.build(emb, item_ids, "flat").search(queries, k)[1]
+    approx = ItemIndex.build(emb, item_ids, "hnsw").search(queries, k)[1]
+    return float(np.mean([len(set(a) & set(b)) / k for a, b in zip(exact, approx)]))
+
+
+def remeasure_hnsw(artifacts_dir, encoder: SasrecEncoder) -> float:
+    """HNSW recall@10 of an existing artifacts dir's test queries (after an index change)."""
+    d = Path(artifacts_dir)
+    seqs = json.loads((d / "sequences.json").read_text())
+    emb = np.load(d / "item_embeddings.npy")
+    item_ids = json.loads((d / "items.json").read_text())
+    return hnsw_recall(emb, item_ids, encoder.encode([s[:-1] for s in seqs.values()]))
+
+
 def run_retrieval(cfg: RetrievalSettings) -> dict:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -174,9 +190,7 @@ def run_retrieval(cfg: RetrievalSettings) -> dict:
     if cfg.index == "flat" and n >= 10:
         res["faiss_recbole_top10_agreement"] = recbole_agreement(run, enc, test_top, seqs, 10, cfg.agreement_users)
     q = enc.encode([seqs[e.user][:e.position] for e in split["test"]])
-    exact = ItemIndex.build(emb, item_ids, "flat").search(q, 10)[1]
-    hnsw = ItemIndex.build(emb, item_ids, "hnsw").search(q, 10)[1]
-    res["hnsw_recall@10"] = float(np.mean([len(set(a) & set(b)) / 10 for a, b in zip(exact, hnsw)]))
+    res["hnsw_recall@10"] = hnsw_recall(emb, item_ids, q)
 
     # 4. Training positions: in-sample (main retriever, reported only) and cross-fitted (written).
     train_ex = split["train"]

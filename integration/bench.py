@@ -139,9 +139,15 @@ def retrieval_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
         ("SASRec training seconds (main + folds)", "train_seconds"),
         ("wall seconds, whole command", "wall_seconds"),
     ]
-    out = [f"### {r.get('dataset', name)}", "",
+    out = [f"### {r.get('dataset', name)} (`{name}.json`)", "",
            f"{_fmt(r.get('users'))} users, {_fmt(r.get('items'))} items, {_fmt(r.get('interactions'))} interactions. "
-           + provenance(r), "", "| metric | value |", "|---|---|"]
+           + provenance(r), ""]
+    if r.get("note"):
+        out += [f"Note: {r['note']}", ""]
+    if r.get("hnsw_remeasured_by"):
+        out += [f"HNSW recall re-measured on the saved model after an index change (was "
+                f"{_fmt(r.get('hnsw_recall@10_before_remeasure'))}): `{r['hnsw_remeasured_by']}`.", ""]
+    out += ["| metric | value |", "|---|---|"]
     out += [f"| {label} | {_fmt(r.get(key))} |" for label, key in rows]
     if r.get("folds"):
         out += ["", "| fold | held-out users | training positions | target in top-10 | SASRec seconds |",

@@ -47,3 +47,12 @@ def test_hnsw_recall(vectors):
 def test_load_missing_dir_is_clear(tmp_path):
     with pytest.raises(FileNotFoundError, match="items.faiss: missing"):
         ItemIndex.load(tmp_path)
+
+
+def test_hnsw_scores_are_inner_products(vectors):
+    x, ids = vectors
+    x = x * np.linspace(0.5, 2.0, len(x), dtype=np.float32)[:, None]  # unequal norms: the hard MIPS case
+    q = np.random.default_rng(2).normal(size=(20, 16)).astype(np.float32)
+    scores, ix = ItemIndex.build(x, ids, "hnsw").search(q, 10)
+    np.testing.assert_allclose(scores, np.take_along_axis(q @ x.T, ix, axis=1), rtol=1e-4, atol=1e-4)
+    assert (np.diff(scores, axis=1) <= 1e-5).all()
