@@ -45,6 +45,7 @@ from reranker.training.batches import encode_examples, end_of_turn, read_jsonl
 from reranker.training.checkpoint import (Checkpointer, TrainState, capture_rng, fault_point, restore,
                                           save_hf_dir)
 from reranker.training.logging import RunLogger
+from reranker.training.loop import scheduled_batches
 from reranker.training.schedule import build_optimizer, build_scheduler, warmup_steps_from
 
 DEFAULTS = {
@@ -345,21 +346,11 @@ def train_cft(ctx: StageContext) -> StageResult:
                 save_hf_dir(model, tok, ctx.output_dir)
         D.barrier()
 
-    order_epoch, batches = None, None
-    while True:
-        if state.batch_in_epoch >= steps_per_epoch or state.step >= total:
-            if state.validated_step != state.step:
-                validate()
-                state.validated_step = state.step
-                snapshot()
-            if state.step >= total:
-                break
-            state.epoch, state.batch_in_epoch = state.epoch + 1, 0
-            continue
-        if order_epoch != state.epoch:
-            batches = D.global_batches(D.epoch_order(len(train), ctx.seed, state.epoch), G)
-            order_epoch = state.epoch
-        batch = batches[state.batch_in_epoch]
+    def at_epoch_end():  # end of an epoch (or of training): validate once, checkpoint
+        validate()
+        snapshot()
+
+    for batch in scheduled_batches(state, len(train), G, ctx.seed, steps_per_epoch, total, at_epoch_end):
         n_tokens = sum(padded_len(train[i], B) for i in batch)  # global N (fill included), known to every rank
         loss_sum = 0.0
         for a, idx in enumerate(D.rank_micro_batches(batch, rank, world, accum)):

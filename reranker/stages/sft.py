@@ -29,6 +29,7 @@ from reranker.training.batches import collate, encode_examples, read_jsonl, weig
 from reranker.training.checkpoint import (Checkpointer, TrainState, capture_rng, fault_point, restore,
                                           save_hf_dir)
 from reranker.training.logging import RunLogger
+from reranker.training.loop import scheduled_batches
 from reranker.training.schedule import build_optimizer, build_scheduler, warmup_steps_from
 
 DEFAULTS = {
@@ -214,23 +215,11 @@ def train_sft(ctx: StageContext) -> StageResult:
                 save_hf_dir(model, tok, ctx.output_dir)
         D.barrier()
 
-    order_epoch, batches = None, None
-    while True:
-        if state.batch_in_epoch >= steps_per_epoch or state.step >= total:
-            # End of an epoch (or of training): validate once, checkpoint, move on.
-            if state.validated_step != state.step:
-                validate()
-                state.validated_step = state.step
-                snapshot()
-            if state.step >= total:
-                break
-            state.epoch += 1
-            state.batch_in_epoch = 0
-            continue
-        if order_epoch != state.epoch:
-            batches = D.global_batches(D.epoch_order(len(train), ctx.seed, state.epoch), G)
-            order_epoch = state.epoch
-        batch = batches[state.batch_in_epoch]
+    def at_epoch_end():  # end of an epoch (or of training): validate once, checkpoint
+        validate()
+        snapshot()
+
+    for batch in scheduled_batches(state, len(train), G, ctx.seed, steps_per_epoch, total, at_epoch_end):
         n_tokens = sum(train[i].n_supervised for i in batch)  # global N, known to every rank
         sums = [0.0, 0.0, 0.0, 0.0]  # weighted, nll, answer nll, answer tokens
         micro_batches = D.rank_micro_batches(batch, rank, world, accum)
