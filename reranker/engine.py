@@ -25,7 +25,7 @@ from .convert import load_diffusion_config
 from .decoding.ar import ar_decode
 from .decoding.diffusion import diffusion_decode
 from .evidence import CoPurchaseCounts, candidates_evidence
-from .prompt import render_prompt_within_budget
+from .prompt import render_prompt_messages, render_prompt_within_budget
 from .sid import SemanticIds
 from .tokenizer import IM_END, THINK_CLOSE, THINK_OPEN
 
@@ -126,7 +126,7 @@ class RerankEngine:
     def known(self, item: str) -> bool:
         return item in self.sids
 
-    def prompt_messages(self, req: RerankRequest) -> list[dict]:
+    def _prompt_inputs(self, req: RerankRequest):
         unknown = [c for c in req.candidates if not self.known(c)]
         if unknown:
             raise ValueError(f"candidate item {unknown[0]!r} has no semantic ID in this model's catalog")
@@ -136,13 +136,25 @@ class RerankEngine:
         evidence = None
         if self.copurchase is not None:
             evidence = candidates_evidence(history, req.candidates, self.item_meta, self.copurchase, req.user)
-        return render_prompt_within_budget(self.tokenizer, self.max_prompt_tokens, history, req.candidates,
-                                           self.sids, self.item_meta, evidence, profile=self.profile)
+        return (history, req.candidates, self.sids, self.item_meta, evidence)
+
+    def prompt_messages(self, req: RerankRequest) -> list[dict]:
+        return render_prompt_within_budget(self.tokenizer, self.max_prompt_tokens, *self._prompt_inputs(req),
+                                           profile=self.profile)
+
+    def _encode(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def prompt_ids(self, req: RerankRequest) -> list[int]:
-        text = self.tokenizer.apply_chat_template(self.prompt_messages(req), tokenize=False,
-                                                  add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        """The prompt as the data builder rendered it. The common case (it fits the budget) is
+        rendered and tokenized once; only an overlong prompt goes through the trimming loop."""
+        inputs = self._prompt_inputs(req)
+        ids = self._encode(render_prompt_messages(*inputs, profile=self.profile))
+        if len(ids) <= self.max_prompt_tokens:
+            return ids
+        return self._encode(render_prompt_within_budget(self.tokenizer, self.max_prompt_tokens, *inputs,
+                                                        profile=self.profile))
 
     def decode(self, prompts: list[list[int]], options: DecodeOptions):
         """Token ids per row and the number of forward passes (the raw decoder call)."""

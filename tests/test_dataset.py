@@ -202,3 +202,17 @@ def test_config_errors_name_the_bad_key():
         make_teacher("rule", {"temp": 1}, scorer=None, sids=None, meta=None, writer=None, seed=0)
     with pytest.raises(ValueError, match="needs teacher_options=\\{'path'"):
         make_teacher("jsonl", {}, scorer=None, sids=None, meta=None, writer=None, seed=0)
+
+
+def test_serving_engine_renders_the_training_prompts(built, tmp_path):
+    """No train/serve skew: RerankEngine.load rebuilds the evidence and renders the builder's prompts."""
+    from reranker.engine import RerankEngine, RerankRequest
+    from reranker.init_model import init_model
+
+    out, _ = built
+    model_dir = init_model(out, tmp_path / "m", size="tiny")
+    engine = RerankEngine.load(model_dir, out)
+    rows = load_split(out, "test")[:40] + load_split(out, "valid")[:20]
+    for r in rows:
+        ids = engine.prompt_ids(RerankRequest(r["history"], r["candidates"], r["scores"], r["user"]))
+        assert ids == engine._encode(r["prompt_messages"]), r["user"]
