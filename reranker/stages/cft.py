@@ -42,10 +42,10 @@ from reranker.stages.base import Stage, StageContext, StageResult
 from reranker.stages.sft import accumulation
 from reranker.training import distributed as D
 from reranker.training.batches import encode_examples, end_of_turn, read_jsonl
-from reranker.training.checkpoint import (Checkpointer, TrainState, capture_rng, fault_point, restore,
+from reranker.training.checkpoint import (Checkpointer, TrainState, capture_rng, restore,
                                           save_hf_dir)
 from reranker.training.logging import RunLogger
-from reranker.training.loop import scheduled_batches
+from reranker.training.loop import after_step, finish, scheduled_batches
 from reranker.training.schedule import build_optimizer, build_scheduler, warmup_steps_from
 
 DEFAULTS = {
@@ -375,18 +375,9 @@ def train_cft(ctx: StageContext) -> StageResult:
         log.log(state.step, "train", {"loss": last_loss, "lr": lr, "grad_norm": grad_norm, "tokens": n_tokens,
                                       "epoch": state.epoch})
         log.progress(1, loss=last_loss, epoch=state.epoch)
-        if cfg["eval_every"] and state.step % int(cfg["eval_every"]) == 0 and state.step < total:
-            validate()
-            state.validated_step = state.step
-            snapshot()
-        elif cfg["save_every"] and state.step % int(cfg["save_every"]) == 0:
-            snapshot()
-        fault_point(state.step)
+        after_step(state, cfg, total, validate, snapshot)
 
-    if ctx.is_main and (not valid or not (Path(ctx.output_dir) / "config.json").exists()):
-        save_hf_dir(model, tok, ctx.output_dir)
-    D.barrier()
-    log.close()
+    finish(ctx, model, tok, bool(valid), log)
     lv = state.last_val
     metrics = {
         "best_val_loss": state.best_val if valid else None,

@@ -42,10 +42,10 @@ from reranker.stages.cft import (load_diffusion_model, load_split, seeded, sum_g
                                  valid_json)
 from reranker.stages.sft import accumulation
 from reranker.training import distributed as D
-from reranker.training.checkpoint import (Checkpointer, TrainState, capture_rng, fault_point, restore,
+from reranker.training.checkpoint import (Checkpointer, TrainState, capture_rng, restore,
                                           save_hf_dir)
 from reranker.training.logging import RunLogger
-from reranker.training.loop import scheduled_batches
+from reranker.training.loop import after_step, finish, scheduled_batches
 from reranker.training.schedule import build_optimizer, build_scheduler, warmup_steps_from
 
 DEFAULTS = {
@@ -323,18 +323,9 @@ def train_opd(ctx: StageContext) -> StageResult:
         state.last_train_loss = metrics["kl"]
         log.log(state.step, "train", {**metrics, "lr": lr, "grad_norm": grad_norm, "epoch": state.epoch})
         log.progress(1, kl=metrics["kl"], epoch=state.epoch)
-        if cfg["eval_every"] and state.step % int(cfg["eval_every"]) == 0 and state.step < total:
-            validate()
-            state.validated_step = state.step
-            snapshot()
-        elif cfg["save_every"] and state.step % int(cfg["save_every"]) == 0:
-            snapshot()
-        fault_point(state.step)
+        after_step(state, cfg, total, validate, snapshot)
 
-    if ctx.is_main and (not valid or not (Path(ctx.output_dir) / "config.json").exists()):
-        save_hf_dir(model, tok, ctx.output_dir)
-    D.barrier()
-    log.close()
+    finish(ctx, model, tok, bool(valid), log)
     lv = state.last_val
     metrics = {
         "best_val_kl": state.best_val if valid else None,

@@ -26,10 +26,10 @@ import torch
 from reranker.stages.base import Stage, StageContext, StageResult
 from reranker.training import distributed as D
 from reranker.training.batches import collate, encode_examples, read_jsonl, weighted_nll
-from reranker.training.checkpoint import (Checkpointer, TrainState, capture_rng, fault_point, restore,
+from reranker.training.checkpoint import (Checkpointer, TrainState, capture_rng, restore,
                                           save_hf_dir)
 from reranker.training.logging import RunLogger
-from reranker.training.loop import scheduled_batches
+from reranker.training.loop import after_step, finish, scheduled_batches
 from reranker.training.schedule import build_optimizer, build_scheduler, warmup_steps_from
 
 DEFAULTS = {
@@ -247,19 +247,9 @@ def train_sft(ctx: StageContext) -> StageResult:
         log.log(state.step, "train", {"loss": last_loss, "nll": nll / max(n_tokens, 1), "answer_nll": anll / max(an, 1),
                                       "lr": lr, "grad_norm": grad_norm, "tokens": n_tokens, "epoch": state.epoch})
         log.progress(1, loss=last_loss, epoch=state.epoch)
-        if cfg["eval_every"] and state.step % int(cfg["eval_every"]) == 0 and state.step < total:
-            validate()
-            state.validated_step = state.step
-            snapshot()
-        elif cfg["save_every"] and state.step % int(cfg["save_every"]) == 0:
-            snapshot()
-        fault_point(state.step)
+        after_step(state, cfg, total, validate, snapshot)
 
-    if ctx.is_main and (not valid or not (Path(ctx.output_dir) / "config.json").exists()):
-        # No validation set (or the best snapshot went missing): the last model is the output.
-        save_hf_dir(model, tok, ctx.output_dir)
-    D.barrier()
-    log.close()
+    finish(ctx, model, tok, bool(valid), log)
     metrics = {
         "best_val_loss": state.best_val if valid else None,
         "best_step": state.best_step if valid else state.step,

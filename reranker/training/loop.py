@@ -6,6 +6,7 @@ checkpointed TrainState, so a resumed run continues with exactly the batch it wo
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from . import distributed as D
 
@@ -31,3 +32,28 @@ def scheduled_batches(state, n_examples: int, batch_size: int, seed: int, steps_
             batches = D.global_batches(D.epoch_order(n_examples, seed, state.epoch), batch_size)
             order_epoch = state.epoch
         yield batches[state.batch_in_epoch]
+
+
+def after_step(state, cfg: dict, total: int, validate: Callable[[], None], snapshot: Callable[[], None]) -> None:
+    """The per-step cadence: validate + checkpoint every `eval_every` steps, else checkpoint every
+    `save_every` steps; then the test hook that can kill the process at a chosen step."""
+    from .checkpoint import fault_point
+
+    if cfg["eval_every"] and state.step % int(cfg["eval_every"]) == 0 and state.step < total:
+        state.validated_step = state.step  # first: the checkpoint must record it
+        validate()
+        snapshot()
+    elif cfg["save_every"] and state.step % int(cfg["save_every"]) == 0:
+        snapshot()
+    fault_point(state.step)
+
+
+def finish(ctx, model, tokenizer, has_valid: bool, log) -> None:
+    """Without a validation set (or if the best snapshot went missing) the last model is the output."""
+    from . import distributed as D
+    from .checkpoint import save_hf_dir
+
+    if ctx.is_main and (not has_valid or not (Path(ctx.output_dir) / "config.json").exists()):
+        save_hf_dir(model, tokenizer, ctx.output_dir)
+    D.barrier()
+    log.close()
