@@ -16,6 +16,7 @@ there.
     rerank-ar-*            eval_section (a `dgr2 eval` report)
     diffusion-cft-*        eval_section
     stages-*               stages_section
+    curves-*               curves_section
     diffusion-speed-*      speed_section, frontier_section, length_batch_section
     service-load*          service_section
     recbole-e2e-*          recbole_section
@@ -182,7 +183,9 @@ def eval_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
     "ci_low", "ci_high"}}, "valid_rate", "fallback_rate", "copy_order_rate", "failures": {<kind>: n},
     "mean_generated_tokens", "tokens_per_second", "forward_passes_per_token",
     optional "vs_baselines": {<baseline>: {<metric>: {"diff", "ci_low", "ci_high"}}},
-    optional "stage_seconds": {<stage>: seconds} (wall-clock of each training stage)}.
+    optional "stage_seconds": {<stage>: seconds} (wall-clock of each training stage),
+    optional "before_last_stage": {<metric>, "valid_rate", "copy_order_rate"} and
+    "vs_before_last_stage": {<metric>: {...}} (`dgr2 report ar --before`)}.
     """
     dec = r.get("decoder", "?")
     extra = f", τ = {r['tau']}, block size {r.get('block_size') or 'from model'}" if dec == "diffusion" else ""
@@ -198,12 +201,22 @@ def eval_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
                 f"{_fmt(r.get('mean_generated_tokens'), 1)} generated tokens per answer, "
                 f"{_fmt(r.get('tokens_per_second'), 1)} tok/s, "
                 f"{_fmt(r.get('forward_passes_per_token'), 3)} forward passes per token."]
+    b4 = r.get("before_last_stage")
+    if b4:
+        vs = (r.get("vs_before_last_stage") or {}).get("recall@1")
+        out.append(f"Before the last training stage: R@1 {_fmt(b4.get('recall@1'))}, valid-output rate "
+                   f"{_fmt(b4.get('valid_rate'))}, copy-the-input-order rate {_fmt(b4.get('copy_order_rate'))}"
+                   + (f"; the last stage changed R@1 by {_ci(vs)}." if vs else "."))
     if r.get("failures"):
         out.append("Failures: " + ", ".join(f"{k} {v}" for k, v in r["failures"].items()) + ".")
     if r.get("vs_baselines"):
-        out += ["", "| vs baseline | " + " | ".join(LABELS[m] for m in METRICS) + " |", "|---|" + "---|" * len(METRICS)]
+        bases = r.get("baselines") or {}
+        out += ["", "Model minus each baseline on the same users (baseline value in brackets):", "",
+                "| vs baseline | " + " | ".join(LABELS[m] for m in METRICS) + " |", "|---|" + "---|" * len(METRICS)]
         for b, d in r["vs_baselines"].items():
-            out.append(f"| {b} | " + " | ".join(_ci(d.get(k)) or "–" for k in METRICS) + " |")
+            val = bases.get(b) or {}
+            out.append(f"| {b} | " + " | ".join((_ci(d.get(k)) or "–") + (f" ({_fmt(val[k])})" if k in val else "")
+                                              for k in METRICS) + " |")
     if r.get("stage_seconds"):
         out += ["", "| training stage | wall seconds |", "|---|---|"]
         out += [f"| {s} | {_fmt(v, 0)} |" for s, v in r["stage_seconds"].items()]
@@ -409,6 +422,27 @@ def recbole_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
     return out + [""]
 
 
+def curves_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
+    """docs/results/curves-<name>.json (`dgr2 report curves`): learning curves of training stages.
+
+    Schema: {"runs" (required): {<stage label>: {"train": {<metric>: [[step, value], ...]},
+    "valid": {...}}}}. The table gives each run's first and last value of every plotted metric.
+    """
+    runs = r["runs"]
+    out = [f"### {name}", "", provenance(r), "", "| stage | metric | first | last | points |", "|---|---|---|---|---|"]
+    for label, c in runs.items():
+        for kind in ("train", "valid"):
+            for m in plots.CURVE_METRICS:
+                pts = (c.get(kind) or {}).get(m)
+                if pts:
+                    out.append(f"| {label} ({kind}) | {m} | {_fmt(pts[0][1])} | {_fmt(pts[-1][1])} | {len(pts)} |")
+    out.append("")
+    if ctx is not None:
+        out += ctx.image(plots.plot_training_curves(r, ctx.plots_dir / f"curves-{name}.png",
+                                                    f"Training curves ({name})"), f"training curves {name}")
+    return out
+
+
 # ------------------------------------------------------------------------------------------ the page
 
 @dataclass
@@ -432,6 +466,8 @@ SECTIONS = [
             "--out docs/results/diffusion-cft-<name>.json"),
     Section("Stage table: retriever → AR → conversion → CFT → OPD → RL", "stages-", stages_section,
             "dgr2 pipeline --config configs/<name>.yaml --results docs/results/stages-<name>.json"),
+    Section("Training curves (loss, KL, reward)", "curves-", curves_section,
+            "dgr2 report curves --run <label>=<runs>/<stage> ... --out docs/results/curves-<name>.json"),
     Section("Decode speed: block diffusion vs AR", "diffusion-speed-", speed_section,
             "dgr2 speed --ar <ar_dir> --diffusion <diff_dir> --data <data_dir> "
             "--out docs/results/diffusion-speed-<name>.json"),

@@ -192,6 +192,27 @@ def cmd_data_build(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from . import report as R
+    from .results import write_result
+
+    if args.kind == "ar":
+        if not args.eval or len(args.eval) != 1:
+            raise SystemExit("dgr2 report ar: give exactly one --eval (the final AR model's report)")
+        before = R.load_report(args.before) if args.before else None
+        stages = dict(R.parse_pairs(args.stage, "--stage"))
+        rep = R.ar_report(R.load_report(args.eval[0]), args.data, before, stages, args.n_boot, args.seed)
+    elif args.kind == "curves":
+        rep = R.training_curves(R.parse_pairs(args.run, "--run"))
+    else:
+        rows = [(lab, R.load_report(p)) for lab, p in R.parse_pairs(args.row, "--row")]
+        abl = [(lab, R.load_report(p)) for lab, p in R.parse_pairs(args.ablation, "--ablation")]
+        rep = R.stages_report(rows, args.reference, abl, args.n_boot, args.seed)
+    write_result(args.out, rep, "dgr2 " + " ".join(sys.argv[1:]))
+    print(f"results written to {args.out}")
+    return 0
+
+
 def cmd_baselines(args) -> int:
     from reranker.baselines import baselines_table, run_baselines
 
@@ -241,6 +262,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="docs/BENCHMARKS.md")
     b.add_argument("--plots", default=None, help="PNG directory (default: <out's folder>/plots)")
     b.set_defaults(func=cmd_bench)
+    rp = sub.add_parser("report", help="assemble docs/results files (AR report, stage table) from `dgr2 eval` reports")
+    rp.add_argument("kind", choices=["ar", "stages", "curves"])
+    rp.add_argument("--out", required=True)
+    rp.add_argument("--eval", action="append", help="ar: the final AR model's eval report")
+    rp.add_argument("--before", help="ar: the eval report of the model before the last stage (e.g. after sft)")
+    rp.add_argument("--data", help="ar: re-ranking data dir (the baselines are recomputed on its test users)")
+    rp.add_argument("--stage", action="append", default=[], help="ar: NAME=STAGE_OUTPUT_DIR (its wall-clock is reported)")
+    rp.add_argument("--row", action="append", default=[], help="stages: LABEL=EVAL_REPORT, in table order")
+    rp.add_argument("--ablation", action="append", default=[], help="stages: LABEL=EVAL_REPORT")
+    rp.add_argument("--run", action="append", default=[], help="curves: LABEL=RUN_DIR (holds metrics.jsonl)")
+    rp.add_argument("--reference", default="AR GR2", help="stages: the row every other row is compared with")
+    rp.add_argument("--n-boot", type=int, default=2000)
+    rp.add_argument("--seed", type=int, default=0)
+    rp.set_defaults(func=cmd_report)
     s = sub.add_parser("speed", help="decode speed: block diffusion vs AR side by side (+ accuracy per tau)")
     s.add_argument("--ar", required=True, help="AR model directory")
     s.add_argument("--diffusion", required=True, help="converted (diffusion) model directory")

@@ -171,3 +171,31 @@ def plot_service_load(doc: dict, path, title: str = "") -> Path | None:
     ax_l.set_ylabel("latency (ms)")
     fig.suptitle(title or "Service load")
     return _save(fig, path)
+
+
+CURVE_METRICS = ("loss", "kl", "reward_mean", "valid_rate", "r1")
+
+
+def plot_training_curves(doc: dict, path, title: str = "") -> Path | None:
+    """One panel per learning-curve metric (loss, KL, reward, valid rate, R@1): training rows as
+    lines, validation rows as markers, one colour per stage run."""
+    runs = doc.get("runs") or {}
+    metrics = [m for m in CURVE_METRICS if any(m in c.get(kind, {}) for c in runs.values() for kind in c)]
+    if not metrics:
+        return None
+    fig = _new((3.4 * len(metrics), 3.2))
+    axes = fig.subplots(1, len(metrics), squeeze=False)[0]
+    colours = {label: f"C{i}" for i, label in enumerate(runs)}
+    for ax, m in zip(axes, metrics):
+        for label, c in runs.items():
+            for kind, style in (("train", "-"), ("valid", "o--")):
+                pts = c.get(kind, {}).get(m)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=colours[label],
+                            label=f"{label} ({kind})", markersize=3, linewidth=1)
+        ax.set_title(m)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.suptitle(title or "Training curves")
+    return _save(fig, path)

@@ -64,8 +64,8 @@ def baseline_permutations(rows, ctx: FeatureContext, scorer: LtrScorer | None, s
     return perms
 
 
-def run_baselines(data_dir, retrieval_dir=None, items_path=None, n_boot: int = 2000, seed: int = 0) -> dict:
-    """Baselines on ``data_dir``/test.jsonl (built by reranker.dataset.build_rerank_data)."""
+def test_permutations(data_dir, retrieval_dir=None, items_path=None, seed: int = 0):
+    """(test rows, {baseline name: permutation per row}) for ``data_dir``/test.jsonl."""
     data_dir = Path(data_dir)
     retrieval_dir, items_path = _resolve_inputs(data_dir, retrieval_dir, items_path)
     rows = load_split(data_dir, "test")
@@ -78,7 +78,19 @@ def run_baselines(data_dir, retrieval_dir=None, items_path=None, n_boot: int = 2
     seqs, _ = load_retrieval(retrieval_dir)
     ctx = FeatureContext(train_sequences(seqs), item_meta_lookup(load_items(items_path).to_frame()))
     scorer = LtrScorer.load(data_dir / "scorer") if (data_dir / "scorer" / "model.txt").is_file() else None
-    perms = baseline_permutations(rows, ctx, scorer, seed)
+    return rows, baseline_permutations(rows, ctx, scorer, seed)
+
+
+def baseline_ranks(data_dir, retrieval_dir=None, items_path=None, seed: int = 0) -> dict[str, np.ndarray]:
+    """Per-user 0-based rank of the target under every baseline (for paired comparisons)."""
+    rows, perms = test_permutations(data_dir, retrieval_dir, items_path, seed)
+    targets = [r["target_index"] for r in rows]
+    return {name: new_ranks(p, targets) for name, p in perms.items()}
+
+
+def run_baselines(data_dir, retrieval_dir=None, items_path=None, n_boot: int = 2000, seed: int = 0) -> dict:
+    """Baselines on ``data_dir``/test.jsonl (built by reranker.dataset.build_rerank_data)."""
+    rows, perms = test_permutations(data_dir, retrieval_dir, items_path, seed)
     targets = [r["target_index"] for r in rows]
     floor = new_ranks(perms["retriever"], targets)
     methods = {}
