@@ -367,7 +367,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Subcommands with their own argument parsers: everything after the name is theirs (argparse's
+# REMAINDER would refuse a leading option such as -h).
+_PASS_THROUGH = {"client": ("reranker.service.client", "client_main"), "loadtest": ("reranker.service.loadtest", "main")}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in _PASS_THROUGH:
+        module, func = _PASS_THROUGH[argv[0]]
+        return getattr(__import__(module, fromlist=[func]), func)(argv[1:]) or 0
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
