@@ -395,13 +395,23 @@ def service_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
     return out
 
 
+def _users_note(r: dict) -> str:
+    total, n = r.get("n_users_total"), r.get("n_users")
+    if total is None or n is None or n >= total:
+        return f"{_fmt(n)} test users"
+    return (f"{_fmt(n)} of {_fmt(total)} test users (a random sample, seed {_fmt(r.get('user_sample_seed'))}; "
+            "the same users in every row)")
+
+
 def recbole_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
     """docs/results/recbole-e2e-<name>.json: RecBole's own evaluator (full sort, same config) on
     SASRec alone vs SASRec + AR GR2 vs SASRec + Diffusion-GR2.
 
-    Schema: {"dataset", "history_masked" (bool), "n_users", "rows" (required; or "models": {<name>:
-    {<metric>: value}}): [{"name" (required), "decoder", "tau", "recall@10", "ndcg@10", any other
-    numeric metric, "seconds"}]}. Columns: recall@10 and ndcg@10 first, then every other numeric key.
+    Schema: {"dataset", "history_masked" (bool), "n_users", "n_users_total" and "user_sample_seed"
+    (optional: n_users of n_users_total test users, a seeded random sample), "rows" (required; or
+    "models": {<name>: {<metric>: value}}): [{"name" (required), "decoder", "tau", "recall@10",
+    "ndcg@10", any other numeric metric, "seconds"}]}. Columns: recall@10 and ndcg@10 first, then
+    every other numeric key.
     """
     rows = r.get("rows")
     if rows is None:
@@ -414,7 +424,7 @@ def recbole_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
                     if k not in skip and k not in keys and isinstance(v, (int, float)) and not isinstance(v, bool)})
     out = [f"### {r.get('dataset', name)}", "",
            f"RecBole `Trainer.evaluate`, full sort; history items masked: {_fmt(r.get('history_masked'))}; "
-           f"{_fmt(r.get('n_users'))} test users. " + provenance(r), "",
+           f"{_users_note(r)}. " + provenance(r), "",
            "| model | " + " | ".join(LABELS.get(k, k) for k in keys) + " |", "|---|" + "---|" * len(keys)]
     for x in rows:
         label = x.get("name", "?") + (f" (τ = {x['tau']})" if x.get("tau") is not None else "")

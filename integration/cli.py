@@ -228,6 +228,22 @@ def cmd_baselines(args) -> int:
     return 0
 
 
+def cmd_e2e(args) -> int:
+    """SASRec alone vs SASRec + re-rankers, with RecBole's own Trainer.evaluate (integration/e2e.py)."""
+    from .e2e import format_e2e, parse_reranker, run_e2e
+
+    cfg = load_config(args.config)
+    rerankers = [parse_reranker(s) for s in args.reranker]
+    res = run_e2e(cfg, rerankers, args.users, args.seed, args.batch_size, args.tau)
+    print(format_e2e(res))
+    if args.out:
+        from .results import write_result
+
+        write_result(args.out, res, "dgr2 " + " ".join(sys.argv[1:]))
+        print(f"results written to {args.out}")
+    return 0
+
+
 def format_retrieval(res: dict) -> str:
     keys = ["recall@10", "ndcg@10", "recall@10_masked", "ndcg@10_masked", "recall@50_masked",
             "faiss_recbole_top10_agreement", "hnsw_recall@10", "test_users_target_in_top10",
@@ -325,6 +341,16 @@ def build_parser() -> argparse.ArgumentParser:
     bl.add_argument("--data-dir", help="re-ranking data directory (default <out>/rerank_data)")
     bl.add_argument("--results", help="write the result to this docs/results JSON file")
     bl.set_defaults(func=cmd_baselines)
+    ee = sub.add_parser("e2e", help="RecBole Trainer.evaluate: SASRec alone vs SASRec + each re-ranker")
+    ee.add_argument("--config", required=True)
+    ee.add_argument("--reranker", action="append", default=[],
+                    help="NAME=MODEL_DIR:DECODER (DECODER ar | diffusion); repeat for more rows")
+    ee.add_argument("--users", type=int, default=None, help="a seeded random sample of N test users (default: all)")
+    ee.add_argument("--seed", type=int, default=0, help="seed of the user sample")
+    ee.add_argument("--batch-size", type=int, default=32, help="re-ranker decode batch size")
+    ee.add_argument("--tau", type=float, default=0.9, help="diffusion confidence threshold")
+    ee.add_argument("--out", help="write the result to this docs/results JSON file (recbole-e2e-<name>.json)")
+    ee.set_defaults(func=cmd_e2e)
     m = sub.add_parser("model", help="model utilities")
     msub = m.add_subparsers(dest="model_command", required=True)
     mi = msub.add_parser("init", help="a fresh small Qwen3 over the data's tokenizer, or a local checkpoint + our tokens")

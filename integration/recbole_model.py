@@ -17,6 +17,10 @@ RecBole config keys (YAML or config_dict):
     rerank_tau: 0.9
     rerank_block_size: null (the model's own)
     rerank_batch_size: 8
+    rerank_max_new_tokens: 320
+
+After an evaluation, `rerank_stats` counts the users the re-ranker saw, those whose top-N it
+re-ordered, and those where its answer did not parse and the retriever order was kept (fallback).
 """
 from __future__ import annotations
 
@@ -64,6 +68,7 @@ class SASRecReranked(SequentialRecommender):
                 items.update(int(x) for x in lists[r] if x > 0)
         self.engine = engine
         self.options = None
+        self.rerank_stats = {"users": 0, "reordered": 0, "fallback": 0}
         model_dir = _get(config, "rerank_model", None)
         if self.engine is None and model_dir:
             from reranker.engine import RerankEngine
@@ -75,7 +80,8 @@ class SASRecReranked(SequentialRecommender):
             block = _get(config, "rerank_block_size", None)
             self.options = DecodeOptions(decoder=str(_get(config, "rerank_decoder", "ar")),
                                          tau=float(_get(config, "rerank_tau", 0.9)),
-                                         block_size=int(block) if block else None)
+                                         block_size=int(block) if block else None,
+                                         max_new_tokens=int(_get(config, "rerank_max_new_tokens", 320)))
             self.options.validate()
 
     def calculate_loss(self, interaction):
@@ -113,7 +119,11 @@ class SASRecReranked(SequentialRecommender):
             reqs.append(RerankRequest(history, cands, top_scores[r].tolist(), self.user_tokens[int(u)]))
         perms = []
         for b in range(0, len(reqs), self.batch_size):
-            perms += [res.permutation for res in self.engine.rerank(reqs[b:b + self.batch_size], self.options)]
+            for res in self.engine.rerank(reqs[b:b + self.batch_size], self.options):
+                perms.append(res.permutation)
+                self.rerank_stats["users"] += 1
+                self.rerank_stats["reordered"] += list(res.permutation) != list(range(len(res.permutation)))
+                self.rerank_stats["fallback"] += bool(getattr(res, "fallback", False))
         # Rewrite the top-N scores in the re-ranked order, all above every other item's score.
         base = top_scores[:, :1] + 1.0
         for r, perm in enumerate(perms):
