@@ -234,12 +234,21 @@ def cmd_e2e(args) -> int:
 
     cfg = load_config(args.config)
     rerankers = [parse_reranker(s) for s in args.reranker]
+    if args.add_to and not (args.out and Path(args.out).is_file()):
+        raise FileNotFoundError(f"--add-to needs an existing --out file, got {args.out!r}")
     res = run_e2e(cfg, rerankers, args.users, args.seed, args.batch_size, args.tau)
+    command = "dgr2 " + " ".join(sys.argv[1:])
+    if args.add_to:
+        from .e2e import merge_into
+
+        old = json.loads(Path(args.out).read_text(encoding="utf-8"))
+        res = merge_into(old, res)
+        command = "; ".join(c for c in (old.get("command"), command) if c)
     print(format_e2e(res))
     if args.out:
         from .results import write_result
 
-        write_result(args.out, res, "dgr2 " + " ".join(sys.argv[1:]))
+        write_result(args.out, res, command)
         print(f"results written to {args.out}")
     return 0
 
@@ -350,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     ee.add_argument("--batch-size", type=int, default=32, help="re-ranker decode batch size")
     ee.add_argument("--tau", type=float, default=0.9, help="diffusion confidence threshold")
     ee.add_argument("--out", help="write the result to this docs/results JSON file (recbole-e2e-<name>.json)")
+    ee.add_argument("--add-to", action="store_true",
+                    help="add these rows to the existing --out file (same users; its SASRec-alone row must match)")
     ee.set_defaults(func=cmd_e2e)
     m = sub.add_parser("model", help="model utilities")
     msub = m.add_subparsers(dest="model_command", required=True)

@@ -167,3 +167,21 @@ def format_e2e(res: dict) -> str:
         lines.append(f"{label:28s} {r['recall@10']:9.4f} {r['ndcg@10']:8.4f} {reordered:>9s} {fallback:>8s} "
                      f"{r['seconds']:8.1f}")
     return "\n".join(lines)
+
+
+def merge_into(old: dict, new: dict) -> dict:
+    """Add `new`'s re-ranked rows to an earlier result `old` on the same users (rows of the same
+    name are replaced). The SASRec-alone rows of both runs must agree: that is the check that the
+    two runs saw the same users, data and retriever."""
+    for key in ("dataset", "n_users", "n_users_total", "user_sample_seed", "history_masked"):
+        if old.get(key) != new.get(key):
+            raise ValueError(f"cannot merge: {key} is {old.get(key)!r} in the existing file and {new.get(key)!r} now")
+    base_old, base_new = old["rows"][0], new["rows"][0]
+    for m in ("recall@10", "ndcg@10"):
+        if abs(float(base_old[m]) - float(base_new[m])) > 1e-9:
+            raise ValueError(f"cannot merge: SASRec alone {m} is {base_old[m]} in the existing file and "
+                             f"{base_new[m]} now (different users, data or retriever)")
+    names = {r["name"] for r in new["rows"][1:]}
+    rows = [base_old] + [r for r in old["rows"][1:] if r["name"] not in names] + new["rows"][1:]
+    return {**{k: v for k, v in old.items() if k not in ("command", "commit", "date")},
+            **{k: v for k, v in new.items() if k != "rows"}, "rows": rows}

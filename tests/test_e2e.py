@@ -132,3 +132,18 @@ def test_bad_input_is_named(world, tmp_path, capsys):
     assert {"command", "commit", "date"} <= set(doc)
     assert (doc["n_users"], doc["user_sample_seed"], len(doc["rows"])) == (5, 3, 1)
     assert np.isfinite(doc["rows"][0]["ndcg@10"])
+
+
+def test_merge_into_adds_rows_only_for_the_same_users():
+    from integration.e2e import merge_into
+
+    base = {"name": "SASRec alone", "recall@10": 0.1, "ndcg@10": 0.05}
+    old = {"dataset": "d", "n_users": 5, "n_users_total": 9, "user_sample_seed": 0, "history_masked": True,
+           "command": "dgr2 e2e a", "rows": [base, {"name": "AR", "recall@10": 0.1, "ndcg@10": 0.06}]}
+    new = {**old, "command": "dgr2 e2e b", "rows": [dict(base), {"name": "Diffusion", "recall@10": 0.1, "ndcg@10": 0.07}]}
+    merged = merge_into(old, new)
+    assert [r["name"] for r in merged["rows"]] == ["SASRec alone", "AR", "Diffusion"]
+    with pytest.raises(ValueError, match="n_users"):
+        merge_into(old, {**new, "n_users": 6})
+    with pytest.raises(ValueError, match="SASRec alone ndcg@10"):
+        merge_into(old, {**new, "rows": [{**base, "ndcg@10": 0.051}]})
