@@ -93,7 +93,9 @@ def _stat(s, digits=1) -> str:
 def provenance(r: dict) -> str:
     cmd = r.get("command")
     cmd = f"`{cmd}`" if cmd else "not recorded"
-    return f"Command: {cmd} (commit `{r.get('commit') or 'not recorded'}`, {r.get('date') or 'date not recorded'})."
+    line = f"Command: {cmd} (commit `{r.get('commit') or 'not recorded'}`, {r.get('date') or 'date not recorded'})."
+    # A result file's "note" (e.g. a budget choice behind its numbers) travels with its provenance.
+    return line + (f" Note: {r['note']}" if r.get("note") else "")
 
 
 def _name(stem: str, prefix: str) -> str:
@@ -143,8 +145,6 @@ def retrieval_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
     out = [f"### {r.get('dataset', name)} (`{name}.json`)", "",
            f"{_fmt(r.get('users'))} users, {_fmt(r.get('items'))} items, {_fmt(r.get('interactions'))} interactions. "
            + provenance(r), ""]
-    if r.get("note"):
-        out += [f"Note: {r['note']}", ""]
     if r.get("hnsw_remeasured_by"):
         out += [f"HNSW recall re-measured on the saved model after an index change (was "
                 f"{_fmt(r.get('hnsw_recall@10_before_remeasure'))}): `{r['hnsw_remeasured_by']}`.", ""]
@@ -475,7 +475,8 @@ SECTIONS = [
             "dgr2 eval --model <cft_dir> --data <data_dir> --decoder diffusion --tau 0.9 --block-size 32 "
             "--out docs/results/diffusion-cft-<name>.json"),
     Section("Stage table: retriever → AR → conversion → CFT → OPD → RL", "stages-", stages_section,
-            "dgr2 pipeline --config configs/<name>.yaml --results docs/results/stages-<name>.json"),
+            "dgr2 pipeline --config configs/<name>.yaml --results docs/results/stages-<name>.json, or "
+            "dgr2 report stages --row <label>=<eval.json> ... --out docs/results/stages-<name>.json"),
     Section("Training curves (loss, KL, reward)", "curves-", curves_section,
             "dgr2 report curves --run <label>=<runs>/<stage> ... --out docs/results/curves-<name>.json"),
     Section("Decode speed: block diffusion vs AR", "diffusion-speed-", speed_section,

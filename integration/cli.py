@@ -208,6 +208,8 @@ def cmd_report(args) -> int:
         rows = [(lab, R.load_report(p)) for lab, p in R.parse_pairs(args.row, "--row")]
         abl = [(lab, R.load_report(p)) for lab, p in R.parse_pairs(args.ablation, "--ablation")]
         rep = R.stages_report(rows, args.reference, abl, args.n_boot, args.seed)
+    if args.note:
+        rep["note"] = args.note
     write_result(args.out, rep, "dgr2 " + " ".join(sys.argv[1:]))
     print(f"results written to {args.out}")
     return 0
@@ -298,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--ablation", action="append", default=[], help="stages: LABEL=EVAL_REPORT")
     rp.add_argument("--run", action="append", default=[], help="curves: LABEL=RUN_DIR (holds metrics.jsonl)")
     rp.add_argument("--reference", default="AR GR2", help="stages: the row every other row is compared with")
+    rp.add_argument("--note", help="a sentence shown with the table (e.g. the training budget behind it)")
     rp.add_argument("--n-boot", type=int, default=2000)
     rp.add_argument("--seed", type=int, default=0)
     rp.set_defaults(func=cmd_report)
