@@ -161,7 +161,7 @@ def scorer_settings(options: Mapping | None, seed: int) -> ScorerConfig:
     return ScorerConfig(**{"seed": seed, **opts})
 
 
-_TEACHER_KEYS = {"rule": {"temperature", "max_tries"}, "jsonl": {"path", "max_tries"},
+_TEACHER_KEYS = {"rule": {"temperature", "max_tries", "promote"}, "jsonl": {"path", "max_tries"},
                  "hf_llm": {"model_dir", "max_tries", "tries_per_batch", "temperature", "top_p", "max_new_tokens",
                             "profile", "device", "dtype"}}
 
@@ -175,7 +175,7 @@ def make_teacher(name: str, options: Mapping | None, *, scorer, sids, meta, writ
         raise ValueError(f"teacher_options for {name!r}: unknown key(s) {unknown}; known: {sorted(_TEACHER_KEYS[name])}")
     if name == "rule":
         return RuleTeacher(scorer, writer, temperature=opts.get("temperature", 1.0),
-                           max_tries=opts.get("max_tries", 8), seed=seed)
+                           max_tries=opts.get("max_tries", 8), seed=seed, promote=opts.get("promote", 1))
     if name == "jsonl":
         from reranker.teachers.jsonl import JsonlTeacher
 

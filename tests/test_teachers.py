@@ -15,7 +15,8 @@ from reranker.features import FeatureContext
 from reranker.sid import build_semantic_ids, content_embeddings
 from reranker.teachers.base import Oracle, TeachExample, rejection_sample, teacher_stats
 from reranker.teachers.jsonl import JsonlTeacher, TraceFileError, load_external_traces
-from reranker.teachers.rule import LtrScorer, RuleTeacher, ScorerConfig, fit_cross_fitted, plackett_luce_sample
+from reranker.teachers.rule import (LtrScorer, RuleTeacher, ScorerConfig, fit_cross_fitted, plackett_luce_sample,
+                                   promote_then_input_order)
 from reranker.teachers.traces import TraceWriter, trace_rng
 
 torch.set_num_threads(1)
@@ -144,6 +145,28 @@ def test_rule_teacher_accepts_target_first_and_is_deterministic(world, scorer):
         assert o.accepted != o.fallback and 1 <= o.tries <= 8
     stats = teacher_stats(outs)
     assert stats["accepted"] + stats["fallback"] == len(outs) and stats["accepted"] > 0
+
+
+def test_promoted_head_then_the_retriever_order():
+    assert promote_then_input_order([5, 2, 9, 0, 1, 3, 4, 6, 7, 8], 1) == [5, 0, 1, 2, 3, 4, 6, 7, 8, 9]
+    assert promote_then_input_order([5, 2, 9, 0, 1, 3, 4, 6, 7, 8], 2) == [5, 2, 0, 1, 3, 4, 6, 7, 8, 9]
+    assert promote_then_input_order([0, 1, 2], 3) == [0, 1, 2]
+
+
+def test_rule_teacher_tail_follows_the_retriever_order_and_the_trace_says_so(world, scorer):
+    """Default promote=1: the answer below the chosen first item is the input order, so it follows
+    from the trace and the prompt; promote=None keeps the whole sampled permutation."""
+    writer = TraceWriter(world["sids"], world["meta"])
+    outs = RuleTeacher(scorer, writer, seed=0).teach_many(world["examples"][:20])
+    for o in outs:
+        rest = list(o.ranking[1:])
+        assert rest == sorted(rest) and "the rest in retriever order" in o.reasoning
+        assert "weaker evidence" not in o.reasoning
+    sampled = RuleTeacher(scorer, writer, seed=0, promote=None).teach_many(world["examples"][:20])
+    assert [o.ranking[0] for o in sampled] == [o.ranking[0] for o in outs]
+    assert any(list(o.ranking[1:]) != sorted(o.ranking[1:]) for o in sampled)
+    with pytest.raises(ValueError, match="promote"):
+        RuleTeacher(scorer, writer, promote=0)
 
 
 def test_rule_teacher_proposals_do_not_depend_on_the_target(world, scorer):

@@ -199,14 +199,28 @@ def plackett_luce_sample(scores: np.ndarray, temperature: float, rng: np.random.
     return [int(i) for i in np.argsort(-keys, kind="stable")]
 
 
+def promote_then_input_order(ranking: Sequence[int], k: int) -> list[int]:
+    """The first k items of `ranking`, then every other candidate in input (retriever) order."""
+    head = [int(i) for i in ranking[:k]]
+    return head + [i for i in range(len(ranking)) if i not in head]
+
+
 class RuleTeacher(Teacher):
     """Learned scorer + Plackett-Luce rejection sampling + the template trace writer."""
 
     name = "rule"
 
     def __init__(self, scorer: CrossFittedScorer | LtrScorer, writer: TraceWriter, temperature: float = 1.0,
-                 max_tries: int = 8, seed: int = 0):
+                 max_tries: int = 8, seed: int = 0, promote: int | None = 1):
         self.scorer = scorer if isinstance(scorer, CrossFittedScorer) else CrossFittedScorer(scorer)
+        # How many items of the accepted ranking go to the front; the rest keep the retriever
+        # order. The Plackett-Luce tail below them is a random draw that nothing in the prompt or
+        # the trace determines, and a small LM trained on it learns to repeat SIDs instead of
+        # copying the candidates (measured on Beauty: 0% valid rankings after one SFT epoch).
+        # None keeps the whole sampled permutation.
+        if promote is not None and int(promote) < 1:
+            raise ValueError(f"promote must be >= 1 or None, got {promote}")
+        self.promote = None if promote is None else int(promote)
         self.writer = writer
         self.temperature = float(temperature)
         self.max_tries = int(max_tries)
@@ -221,6 +235,8 @@ class RuleTeacher(Teacher):
         fallback = ranking is None
         if fallback:
             ranking = ex.oracle.targeted(plackett_luce_sample(scores, 0.0, rng))
+        if self.promote is not None:
+            ranking = promote_then_input_order(ranking, self.promote)
         reasoning = self.writer.write(ex.history, ex.candidates, ex.evidence, ranking, ex.shown_history,
                                       trace_rng(self.seed, ex.user, ex.position))
         return TeacherOutput(reasoning, tuple(ranking), not fallback, tries, fallback, self.name)

@@ -163,8 +163,17 @@ class TraceWriter:
             sentences.append(f"{self.sids.sid_string(candidates[j])} (#{j + 1}): {self._evidence_text(evidence[j], rng)}.")
 
         # 4. Decision.
-        rest = [f"#{j + 1}" for j in top[1:]]
-        rest_text = (", ".join(rest) + " and the rest by weaker evidence") if rest else "the rest"
+        # Say exactly what the ranking does below its head: where it keeps the retriever order
+        # from some point on, say so (then the answer follows from the trace and the prompt).
+        tail_from = len(ranking)
+        while tail_from > 1 and sorted(ranking[tail_from - 1:]) == list(ranking[tail_from - 1:]):
+            tail_from -= 1
+        named = [f"#{int(j) + 1}" for j in ranking[1:min(tail_from, self.cited)]]
+        if tail_from <= self.cited:
+            rest_text = (", ".join(named) + ", then " if named else "") + "the rest in retriever order"
+        else:
+            rest = [f"#{j + 1}" for j in top[1:]]
+            rest_text = (", ".join(rest) + " and the rest by weaker evidence") if rest else "the rest"
         sentences.append(rng.choice(_DECISION).format(first=self.sids.sid_string(candidates[top[0]]),
                                                      why=self._why_first(evidence, top[0]), rest=rest_text))
         return " ".join(sentences)
