@@ -192,6 +192,14 @@ def cmd_data_build(args) -> int:
     return 0
 
 
+def cmd_data_copy_warmup(args) -> int:
+    from reranker.copy_warmup import build_copy_warmup
+
+    out = build_copy_warmup(args.data, seed=args.seed, limit=args.limit)
+    print(f"copy warm-up examples written to {out}")
+    return 0
+
+
 def cmd_report(args) -> int:
     from . import report as R
     from .results import write_result
@@ -348,6 +356,11 @@ def build_parser() -> argparse.ArgumentParser:
     db.add_argument("--data", help="atomic data directory (overrides the config)")
     db.add_argument("--out", help="output directory (default <out>/rerank_data)")
     db.set_defaults(func=cmd_data_build)
+    dc = dsub.add_parser("copy-warmup", help="copy warm-up examples (copy_warmup.jsonl) from a built data dir")
+    dc.add_argument("--data", required=True, help="re-ranking data directory (dgr2 data build)")
+    dc.add_argument("--seed", type=int, default=0)
+    dc.add_argument("--limit", type=int, default=None, help="first N training lists only")
+    dc.set_defaults(func=cmd_data_copy_warmup)
     bl = sub.add_parser("baselines", help="retriever order, random, co-purchase sort, learned scorer (with CIs)")
     bl.add_argument("--config", required=True)
     bl.add_argument("--data-dir", help="re-ranking data directory (default <out>/rerank_data)")
