@@ -103,11 +103,21 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
         init_model(data_dir, init_dir, size=mcfg.get("size", "cpu"), base=mcfg.get("base"), seed=seed)
         _mark(out / "models" / ".init_done.json", h_init)
     stages = section(cfg, "stages")
-    _step("ar", 3, n_steps, " -> ".join(s for s in AR_STAGES if s in stages))
-    ar_specs = [{"name": s, "config": stages[s] or {}} for s in AR_STAGES if s in stages]
+    ar_specs = []
+    if "copy_warmup" in stages:
+        # An `sft` run on copy warm-up examples first (reranker/copy_warmup.py explains why).
+        from reranker.copy_warmup import build_copy_warmup
+
+        if not (data_dir / "copy_warmup.jsonl").is_file():
+            build_copy_warmup(data_dir, seed=seed)
+        ar_specs.append({"name": "sft", "id": "00_copy_warmup", "config": {
+            "train_file": "copy_warmup.jsonl", "valid_file": None, **(stages["copy_warmup"] or {})}})
+    n_warm = len(ar_specs)
+    ar_specs += [{"name": s, "config": stages[s] or {}} for s in AR_STAGES if s in stages]
+    _step("ar", 3, n_steps, " -> ".join(["copy_warmup"] * n_warm + [s for s in AR_STAGES if s in stages]))
     ar_runs = run_pipeline(ar_specs, init_dir, out / "runs" / "ar", data_dir, seed=seed)
     ar_dir = Path(ar_runs[-1]["output_dir"]) if ar_runs else init_dir
-    sft_dir = Path(ar_runs[0]["output_dir"]) if ar_runs else init_dir
+    sft_dir = Path(ar_runs[n_warm]["output_dir"]) if len(ar_runs) > n_warm else ar_dir
     timings["ar_stages"] = time.time() - t
 
     # 4. Conversion and diffusion stages.
@@ -132,7 +142,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
 
     # 5. Evaluation of every row of the stage table.
     t = time.time()
-    rows = [("AR GR2 (sft)", sft_dir, "ar")] if len(ar_runs) > 1 else []
+    rows = [("AR GR2 (sft)", sft_dir, "ar")] if len(ar_runs) > n_warm + 1 else []
     rows += [("AR GR2", ar_dir, "ar"), ("naive conversion", naive_dir, "diffusion")]
     label = {"cft": "+CFT", "opd": "+CFT+OPD", "rl": "+CFT+OPD+RL"}
     rows += [(label.get(r["name"], r["name"]), Path(r["output_dir"]), "diffusion") for r in d_runs]
@@ -152,8 +162,9 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
                "baselines": json.loads((data_dir / "baselines.json").read_text())["methods"],
                "baselines_info": {"test_users": json.loads((data_dir / "baselines.json").read_text())["test_users"]},
                "timings": timings,
-               "stage_wall_seconds": {r["name"]: (read_done(r["output_dir"]) or {}).get("wall_seconds")
-                                      for r in ar_runs + d_runs}}
+               "stage_wall_seconds": {("copy_warmup" if i < n_warm else r["name"]):
+                                      (read_done(r["output_dir"]) or {}).get("wall_seconds")
+                                      for i, r in enumerate(ar_runs + d_runs)}}
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     return summary
 

@@ -1,4 +1,6 @@
 """`dgr2 pipeline` end to end on tiny synthetic data and tiny models, and its skip-when-done."""
+from pathlib import Path
+
 import pytest
 
 from integration.pipeline import format_summary, run_full_pipeline
@@ -20,6 +22,7 @@ def config(tmp_path_factory, tiny_catalog):
         "model": {"size": TINY},
         "convert": {"block_size": 8},
         "stages": {
+            "copy_warmup": {"epochs": 1, "batch_size": 8},
             "sft": {"epochs": 1, "batch_size": 8, "max_valid_examples": 8},
             "ar_rl": {"steps": 1, "prompts_per_step": 1, "group_size": 2, "max_valid_examples": 4,
                       "max_new_tokens": 16, "max_draw_rounds": 1},
@@ -42,6 +45,8 @@ def test_pipeline_runs_every_stage_then_skips(config, capsys):
         assert 0.0 <= row["recall@1"] <= 1.0 and 0.0 <= row["valid_rate"] <= 1.0
         assert row["tokens_per_second"] > 0
     assert "retriever order" in format_summary(summary)
+    assert list(summary["stage_wall_seconds"]) == ["copy_warmup", "sft", "ar_rl", "cft", "opd", "rl"]
+    assert (Path(config["out"]) / "rerank_data" / "copy_warmup.jsonl").is_file()
     capsys.readouterr()
     again = run_full_pipeline(config)
     log = capsys.readouterr().out
