@@ -94,6 +94,8 @@ def provenance(r: dict) -> str:
     cmd = r.get("command")
     cmd = f"`{cmd}`" if cmd else "not recorded"
     line = f"Command: {cmd} (commit `{r.get('commit') or 'not recorded'}`, {r.get('date') or 'date not recorded'})."
+    if r.get("eval_command"):  # a `dgr2 report` file: the evaluation it was assembled from
+        line += f" Evaluated by `{r['eval_command']}` (commit `{r.get('eval_commit') or 'not recorded'}`)."
     # A result file's "note" (e.g. a budget choice behind its numbers) travels with its provenance.
     return line + (f" Note: {r['note']}" if r.get("note") else "")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 from pathlib import Path
 
@@ -41,7 +42,7 @@ def cmd_retrieve(args) -> int:
     if args.results:
         from .results import write_result
 
-        write_result(args.results, res, "dgr2 " + " ".join(sys.argv[1:]))
+        write_result(args.results, res, "dgr2 " + shlex.join(sys.argv[1:]))
         print(f"results written to {args.results}")
     return 0
 
@@ -57,7 +58,7 @@ def cmd_results(args) -> int:
 
         metrics["hnsw_recall@10_before_remeasure"] = metrics.get("hnsw_recall@10")
         metrics["hnsw_recall@10"] = remeasure_hnsw(args.artifacts, Retriever.load(args.artifacts).encoder)
-        metrics["hnsw_remeasured_by"] = "dgr2 " + " ".join(sys.argv[1:])
+        metrics["hnsw_remeasured_by"] = "dgr2 " + shlex.join(sys.argv[1:])
         print(f"hnsw_recall@10 re-measured: {metrics['hnsw_recall@10']:.4f}")
     write_result(args.out, metrics, args.command)
     print(f"results written to {args.out}")
@@ -75,7 +76,7 @@ def cmd_speed(args) -> int:
 
     rep = run_speed_benchmark(
         args.ar, args.diffusion, args.data, args.out, n_prompts=args.n_prompts, split=args.split,
-        command="dgr2 " + " ".join(sys.argv[1:]), accuracy=not args.no_accuracy, accuracy_limit=args.accuracy_limit,
+        command="dgr2 " + shlex.join(sys.argv[1:]), accuracy=not args.no_accuracy, accuracy_limit=args.accuracy_limit,
         batch_sizes=ints(args.batch_sizes), taus=floats(args.taus), block_size=args.block_size,
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup, threads=args.threads,
         lengths=ints(args.lengths), length_taus=floats(args.length_taus), forward_blocks=ints(args.forward_blocks),
@@ -111,7 +112,7 @@ def cmd_pipeline(args) -> int:
     if getattr(args, "results", None):
         from .results import write_result
 
-        write_result(args.results, summary, "dgr2 " + " ".join(sys.argv[1:]))
+        write_result(args.results, summary, "dgr2 " + shlex.join(sys.argv[1:]))
     return 0
 
 
@@ -129,7 +130,7 @@ def cmd_eval(args) -> int:
     if args.out:
         from .results import write_result
 
-        write_result(args.out, rep, "dgr2 " + " ".join(sys.argv[1:]))
+        write_result(args.out, rep, "dgr2 " + shlex.join(sys.argv[1:]))
         print(f"results written to {args.out}")
     return 0
 
@@ -218,7 +219,7 @@ def cmd_report(args) -> int:
         rep = R.stages_report(rows, args.reference, abl, args.n_boot, args.seed)
     if args.note:
         rep["note"] = args.note
-    write_result(args.out, rep, "dgr2 " + " ".join(sys.argv[1:]))
+    write_result(args.out, rep, "dgr2 " + shlex.join(sys.argv[1:]))
     print(f"results written to {args.out}")
     return 0
 
@@ -233,7 +234,7 @@ def cmd_baselines(args) -> int:
     if args.results:
         from .results import write_result
 
-        write_result(args.results, res, "dgr2 " + " ".join(sys.argv[1:]))
+        write_result(args.results, res, "dgr2 " + shlex.join(sys.argv[1:]))
         print(f"results written to {args.results}")
     return 0
 
@@ -247,7 +248,7 @@ def cmd_e2e(args) -> int:
     if args.add_to and not (args.out and Path(args.out).is_file()):
         raise FileNotFoundError(f"--add-to needs an existing --out file, got {args.out!r}")
     res = run_e2e(cfg, rerankers, args.users, args.seed, args.batch_size, args.tau)
-    command = "dgr2 " + " ".join(sys.argv[1:])
+    command = "dgr2 " + shlex.join(sys.argv[1:])
     if args.add_to:
         from .e2e import merge_into
 

@@ -173,7 +173,7 @@ def plot_service_load(doc: dict, path, title: str = "") -> Path | None:
     return _save(fig, path)
 
 
-CURVE_METRICS = ("loss", "kl", "reward_mean", "valid_rate", "r1")
+CURVE_METRICS = ("loss", "answer_nll", "kl", "reward_mean", "valid_rate", "r1")
 
 
 def plot_training_curves(doc: dict, path, title: str = "") -> Path | None:

@@ -71,7 +71,9 @@ def ar_report(final: dict, data_dir, before: dict | None = None, stage_dirs: dic
     if n_base != len(ranks):
         raise ValueError(f"{final['_path']}: {len(ranks)} users, but {data_dir}/test.jsonl has {n_base}: "
                          "evaluate the whole test split (no --limit) to compare with the baselines")
-    rep = {k: v for k, v in final.items() if k != "_path"}
+    rep = {k: v for k, v in final.items() if k not in ("_path", "command", "commit", "date")}
+    # The eval's own provenance stays next to the report's (which write_result records).
+    rep.update({f"eval_{k}": final.get(k) for k in ("command", "commit", "date") if final.get(k)})
     rep["baselines"] = {name: summarize(r) for name, r in base.items()}
     rep["vs_baselines"] = {name: compare(r, ranks, n_boot=n_boot, seed=seed) for name, r in base.items()}
     if before is not None:

@@ -94,3 +94,16 @@ def test_training_curves_from_metrics_logs_and_their_plot(tmp_path):
     (run / "metrics.jsonl").write_text("{oops\n")
     with pytest.raises(ValueError, match="metrics.jsonl:1"):
         R.training_curves([("opd", str(run))])
+
+
+def test_ar_report_keeps_the_eval_provenance_apart(built, tmp_path):  # noqa: F811
+    from integration.bench import provenance
+
+    data, _, _ = built
+    p = _eval(tmp_path, "ar", np.zeros(N_USERS, int))
+    doc = json.loads(p.read_text())
+    p.write_text(json.dumps({**doc, "command": "dgr2 eval --model M", "commit": "abc", "date": "d"}))
+    rep = R.ar_report(R.load_report(p), data, n_boot=50)
+    assert "command" not in rep and rep["eval_command"] == "dgr2 eval --model M" and rep["eval_commit"] == "abc"
+    line = provenance({**rep, "command": "dgr2 report ar", "commit": "def"})
+    assert "`dgr2 report ar`" in line and "Evaluated by `dgr2 eval --model M`" in line
