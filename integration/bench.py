@@ -17,6 +17,7 @@ there.
     diffusion-cft-*        eval_section
     stages-*               stages_section
     curves-*               curves_section
+    sid-copy-*             sid_copy_section
     diffusion-speed-*      speed_section, frontier_section, length_batch_section
     service-load*          service_section
     recbole-e2e-*          recbole_section
@@ -455,6 +456,25 @@ def curves_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
     return out
 
 
+def sid_copy_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
+    """docs/results/sid-copy-<name>.json (`dgr2 sid-copy`): can the model copy SIDs?
+
+    Schema: {"rows" (required): [{"model", "file", "examples", "by_level": {<level>: accuracy}}],
+    optional "commands": [...] (one per appended run)}.
+    """
+    cmds = r.get("commands") or []
+    out = [f"### {name}", "", "Teacher-forced accuracy of each answer token, by SID level (a model that copies gets "
+           "b, c and d right almost always once a is right). " + provenance(r)]
+    out += [f"Also: `{c}`." for c in cmds[:-1] if c]
+    levels = sorted({k for row in r["rows"] for k in row.get("by_level", {})})
+    out += ["", "| model | examples from | n | " + " | ".join(levels) + " |", "|---|---|---|" + "---|" * len(levels)]
+    for row in r["rows"]:
+        acc = row.get("by_level", {})
+        out.append(f"| `{row.get('model')}` | `{row.get('file')}` | {_fmt(row.get('examples'))} | "
+                   + " | ".join(_fmt(acc.get(k), 3) for k in levels) + " |")
+    return out + [""]
+
+
 # ------------------------------------------------------------------------------------------ the page
 
 @dataclass
@@ -479,6 +499,8 @@ SECTIONS = [
     Section("Stage table: retriever → AR → conversion → CFT → OPD → RL", "stages-", stages_section,
             "dgr2 pipeline --config configs/<name>.yaml --results docs/results/stages-<name>.json, or "
             "dgr2 report stages --row <label>=<eval.json> ... --out docs/results/stages-<name>.json"),
+    Section("SID copying diagnostic", "sid-copy-", sid_copy_section,
+            "dgr2 sid-copy --model <dir> --data <data_dir> --out docs/results/sid-copy-<name>.json"),
     Section("Training curves (loss, KL, reward)", "curves-", curves_section,
             "dgr2 report curves --run <label>=<runs>/<stage> ... --out docs/results/curves-<name>.json"),
     Section("Decode speed: block diffusion vs AR", "diffusion-speed-", speed_section,

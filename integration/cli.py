@@ -196,8 +196,28 @@ def cmd_data_build(args) -> int:
 def cmd_data_copy_warmup(args) -> int:
     from reranker.copy_warmup import build_copy_warmup
 
-    out = build_copy_warmup(args.data, seed=args.seed, limit=args.limit)
+    out = build_copy_warmup(args.data, args.out_name, seed=args.seed, limit=args.limit, source=args.source)
     print(f"copy warm-up examples written to {out}")
+    return 0
+
+
+def cmd_sid_copy(args) -> int:
+    from reranker.sid_copy import run_sid_copy
+
+    rows = [run_sid_copy(m, args.data, args.file, args.limit) for m in args.model]
+    for r in rows:
+        print(f"{r['model']}: " + ", ".join(f"{k} {v:.3f}" for k, v in r["by_level"].items())
+              + f" ({r['examples']} examples of {r['file']})")
+    if args.out:
+        from .results import write_result
+
+        payload = {"rows": rows}
+        if args.add_to and Path(args.out).is_file():
+            old = json.loads(Path(args.out).read_text(encoding="utf-8"))
+            payload = {"rows": old.get("rows", []) + rows,
+                       "commands": old.get("commands", [old.get("command")]) + ["dgr2 " + shlex.join(sys.argv[1:])]}
+        write_result(args.out, payload, "dgr2 " + shlex.join(sys.argv[1:]))
+        print(f"results written to {args.out}")
     return 0
 
 
@@ -298,6 +318,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="docs/BENCHMARKS.md")
     b.add_argument("--plots", default=None, help="PNG directory (default: <out's folder>/plots)")
     b.set_defaults(func=cmd_bench)
+    sc = sub.add_parser("sid-copy", help="teacher-forced accuracy of the answer's SID tokens by level (can it copy?)")
+    sc.add_argument("--model", action="append", required=True, help="model directory (repeatable)")
+    sc.add_argument("--data", required=True, help="re-ranking data directory")
+    sc.add_argument("--file", default="valid.jsonl", help="examples file in the data dir")
+    sc.add_argument("--limit", type=int, default=64)
+    sc.add_argument("--out", help="docs/results JSON file (sid-copy-<name>.json)")
+    sc.add_argument("--add-to", action="store_true", help="append these rows to an existing --out file")
+    sc.set_defaults(func=cmd_sid_copy)
     rp = sub.add_parser("report", help="assemble docs/results files (AR report, stage table) from `dgr2 eval` reports")
     rp.add_argument("kind", choices=["ar", "stages", "curves"])
     rp.add_argument("--out", required=True)
@@ -360,7 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     dc = dsub.add_parser("copy-warmup", help="copy warm-up examples (copy_warmup.jsonl) from a built data dir")
     dc.add_argument("--data", required=True, help="re-ranking data directory (dgr2 data build)")
     dc.add_argument("--seed", type=int, default=0)
-    dc.add_argument("--limit", type=int, default=None, help="first N training lists only")
+    dc.add_argument("--limit", type=int, default=None, help="first N lists only")
+    dc.add_argument("--source", default="train.jsonl", help="lists to build from (valid.jsonl: held-out examples)")
+    dc.add_argument("--out-name", default="copy_warmup.jsonl", help="file name written in the data dir")
     dc.set_defaults(func=cmd_data_copy_warmup)
     bl = sub.add_parser("baselines", help="retriever order, random, co-purchase sort, learned scorer (with CIs)")
     bl.add_argument("--config", required=True)

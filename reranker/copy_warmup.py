@@ -36,10 +36,12 @@ def copy_example(sids: list[str], k: int) -> dict:
             "assistant": think + json.dumps({"ranking": order}, ensure_ascii=False)}
 
 
-def build_copy_warmup(data_dir, out_name: str = "copy_warmup.jsonl", seed: int = 0, limit: int | None = None) -> Path:
-    """Write <data_dir>/<out_name>: one warm-up example per training list (train.jsonl)."""
+def build_copy_warmup(data_dir, out_name: str = "copy_warmup.jsonl", seed: int = 0, limit: int | None = None,
+                      source: str = "train.jsonl") -> Path:
+    """Write <data_dir>/<out_name>: one warm-up example per list of <data_dir>/<source>
+    (train.jsonl for training; valid.jsonl gives held-out examples for the SID-copy diagnostic)."""
     data_dir = Path(data_dir)
-    rows = read_jsonl(data_dir / "train.jsonl", {"candidate_sids": list}, limit)
+    rows = read_jsonl(data_dir / source, {"candidate_sids": list}, limit)
     rng = random.Random(seed)
     lines = []
     for row in rows:

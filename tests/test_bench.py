@@ -73,6 +73,7 @@ def fake_results():
             {"name": "SASRec + Diffusion-GR2", "tau": 0.9, "recall@10": 0.0812, "ndcg@10": 0.0452, "seconds": 12.5}]),
         "curves-tiny": prov(runs={"opd": {"train": {"kl": [[1, 0.9], [2, 0.5]]}, "valid": {"kl": [[2, 0.6]]}},
                                   "rl": {"train": {"reward_mean": [[1, 0.1], [2, 0.3]]}, "valid": {}}}),
+        "sid-copy-tiny": prov(rows=[{"model": "m", "file": "f", "examples": 4, "by_level": {"a": 0.5, "b": 0.25}}]),
         "something-else": prov(x=1),
     }
 
@@ -90,7 +91,7 @@ def test_every_section_renders_with_provenance_and_plots(tmp_path):
     assert "Not measured yet" not in md and "Could not render" not in md
     for sec in SECTIONS:
         assert f"## {sec.title}" in md
-    assert md.count("commit `abc1234`") >= 10 and "dgr2 fake --x" in md
+    assert md.count("commit `abc1234`") >= 11 and "dgr2 fake --x" in md
     assert "Command: not recorded" in md  # the baselines file carries no provenance
     assert "+CFT+OPD+RL" in md and "0.3340 (+0.0040 [-0.0060, +0.0140])" in md  # stage cell with CI vs AR
     assert "0.3301" in md and "0.3202" in md and "| sft | 12 |" in md
@@ -99,6 +100,7 @@ def test_every_section_renders_with_provenance_and_plots(tmp_path):
     assert "SASRec + Diffusion-GR2 (τ = 0.9)" in md and "0.0452" in md
     assert "`something-else.json`" in md
     plots = tmp_path / "docs" / "plots"
+    assert "| `m` | `f` | 4 | 0.500 | 0.250 |" in md
     assert "| rl (train) | reward_mean | 0.1000 | 0.3000 | 2 |" in md
     for png in ("curves-tiny.png", "tau-frontier-tiny.png", "speedup-length-tiny.png", "speedup-batch-tiny.png", "service-load.png"):
         data = (plots / png).read_bytes()

@@ -1,0 +1,42 @@
+"""The SID-copy diagnostic: per-level teacher-forced accuracy, perfect for a model that copies."""
+
+import torch
+
+from reranker.sid_copy import sid_copy_accuracy, token_levels
+from tests.test_copy_warmup import SIDS
+
+
+class Oracle(torch.nn.Module):
+    """Predicts the next token of a fixed sequence: whatever the batch holds at t+1."""
+
+    def __init__(self, wrong_level=None, levels=None):
+        super().__init__()
+        self.wrong_level, self.levels, self.vocab = wrong_level, levels or {}, 0
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
+        nxt = torch.roll(input_ids, -1, dims=1)
+        if self.wrong_level:
+            bad = torch.tensor([[self.levels.get(int(t)) == self.wrong_level for t in row] for row in nxt])
+            nxt = torch.where(bad, torch.zeros_like(nxt), nxt)
+        logits = torch.nn.functional.one_hot(nxt, self.vocab).float()
+        return type("Out", (), {"logits": logits})()
+
+
+def test_sid_copy_accuracy_by_level():
+    from reranker.copy_warmup import copy_example
+    from reranker.tokenizer import build_tokenizer
+    from tests.test_tokenizer import corpus
+
+    tok = build_tokenizer(corpus() + [r["assistant"] for r in (copy_example(SIDS, 0),)], vocab_size=600)
+    levels = token_levels(tok)
+    assert set(levels.values()) >= {"a", "b", "c", "d"}
+    recs = [copy_example(SIDS, k) for k in range(4)]
+    perfect = Oracle()
+    perfect.vocab = len(tok)
+    res = sid_copy_accuracy(perfect, tok, recs)
+    assert res["examples"] == 4 and all(v == 1.0 for v in res["by_level"].values()), res
+    assert res["tokens"]["a"] == 40
+    bad_b = Oracle("b", levels)
+    bad_b.vocab = len(tok)
+    res = sid_copy_accuracy(bad_b, tok, recs)
+    assert res["by_level"]["b"] == 0.0 and res["by_level"]["a"] == 1.0
