@@ -196,7 +196,8 @@ def cmd_data_build(args) -> int:
 def cmd_data_copy_warmup(args) -> int:
     from reranker.copy_warmup import build_copy_warmup
 
-    out = build_copy_warmup(args.data, args.out_name, seed=args.seed, limit=args.limit, source=args.source)
+    out = build_copy_warmup(args.data, args.out_name, seed=args.seed, limit=args.limit, source=args.source,
+                            full_prompt=args.full_prompt)
     print(f"copy warm-up examples written to {out}")
     return 0
 
@@ -391,6 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--limit", type=int, default=None, help="first N lists only")
     dc.add_argument("--source", default="train.jsonl", help="lists to build from (valid.jsonl: held-out examples)")
     dc.add_argument("--out-name", default="copy_warmup.jsonl", help="file name written in the data dir")
+    dc.add_argument("--full-prompt", action="store_true",
+                    help="keep each list's real prompt (history, evidence) instead of a short list of SIDs")
     dc.set_defaults(func=cmd_data_copy_warmup)
     bl = sub.add_parser("baselines", help="retriever order, random, co-purchase sort, learned scorer (with CIs)")
     bl.add_argument("--config", required=True)

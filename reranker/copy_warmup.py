@@ -36,18 +36,39 @@ def copy_example(sids: list[str], k: int) -> dict:
             "assistant": think + json.dumps({"ranking": order}, ensure_ascii=False)}
 
 
+def full_prompt_copy_example(record: dict, k: int) -> dict:
+    """The same copy task inside a real re-ranking prompt (history SIDs and evidence lines included,
+    the distractors a short prompt lacks): its last line asks for #k first, then the rest in order."""
+    sids = [str(s) for s in record["candidate_sids"]]
+    if not 0 <= k < len(sids):
+        raise ValueError(f"promoted index {k} outside 0..{len(sids) - 1}")
+    messages = [dict(m) for m in record["prompt_messages"]]
+    body = messages[-1]["content"].rstrip("\n").rsplit("\n", 1)[0]  # drop the "Rank all N candidates." line
+    messages[-1]["content"] = f"{body}\nPut #{k + 1} first, then the rest in retriever order."
+    order = [sids[k]] + [s for i, s in enumerate(sids) if i != k]
+    think = f"<think>\n{sids[k]} (#{k + 1}) first, then the rest in retriever order.\n</think>\n"
+    return {"prompt_messages": messages, "assistant": think + json.dumps({"ranking": order}, ensure_ascii=False)}
+
+
 def build_copy_warmup(data_dir, out_name: str = "copy_warmup.jsonl", seed: int = 0, limit: int | None = None,
-                      source: str = "train.jsonl") -> Path:
+                      source: str = "train.jsonl", full_prompt: bool = False) -> Path:
     """Write <data_dir>/<out_name>: one warm-up example per list of <data_dir>/<source>
-    (train.jsonl for training; valid.jsonl gives held-out examples for the SID-copy diagnostic)."""
+    (train.jsonl for training; valid.jsonl gives held-out examples for the SID-copy diagnostic).
+    full_prompt: keep the list's real prompt (retriever order, history and evidence) instead of a
+    short shuffled list of SIDs."""
     data_dir = Path(data_dir)
-    rows = read_jsonl(data_dir / source, {"candidate_sids": list}, limit)
+    required = {"candidate_sids": list, "prompt_messages": list} if full_prompt else {"candidate_sids": list}
+    rows = read_jsonl(data_dir / source, required, limit)
     rng = random.Random(seed)
     lines = []
     for row in rows:
-        sids = [str(s) for s in row["candidate_sids"]]
-        rng.shuffle(sids)
-        lines.append(json.dumps(copy_example(sids, rng.randrange(len(sids))), ensure_ascii=False))
+        if full_prompt:
+            rec = full_prompt_copy_example(row, rng.randrange(len(row["candidate_sids"])))
+        else:
+            sids = [str(s) for s in row["candidate_sids"]]
+            rng.shuffle(sids)
+            rec = copy_example(sids, rng.randrange(len(sids)))
+        lines.append(json.dumps(rec, ensure_ascii=False))
     out = data_dir / out_name
     atomic_write_text(out, "\n".join(lines) + "\n")
     return out

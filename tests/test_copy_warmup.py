@@ -34,3 +34,17 @@ def test_build_copy_warmup_is_seeded_and_parses_as_rankings(tmp_path):
     (tmp_path / "train.jsonl").write_text('{"candidate_sids": "oops"}\n')
     with pytest.raises(ValueError, match="train.jsonl:1"):
         build_copy_warmup(tmp_path)
+
+
+def test_full_prompt_copy_keeps_the_real_prompt_and_asks_for_k_first(tmp_path):
+    user = "History (oldest first, 1 of 1):\nh\nCandidates (retriever order).\n" + "\n".join(
+        f"{i + 1}.{s} Cat, Brand; cobought 0/0" for i, s in enumerate(SIDS)) + "\nRank all 10 candidates."
+    row = {"candidate_sids": SIDS, "assistant": "x",
+           "prompt_messages": [{"role": "system", "content": "Re-rank."}, {"role": "user", "content": user}]}
+    (tmp_path / "train.jsonl").write_text(json.dumps(row) + "\n")
+    rec = json.loads(build_copy_warmup(tmp_path, full_prompt=True, seed=3).read_text())
+    content = rec["prompt_messages"][1]["content"]
+    assert content.startswith("History (oldest first") and "Rank all" not in content
+    k = int(content.rsplit("Put #", 1)[1].split(" ", 1)[0]) - 1
+    assert rec["prompt_messages"][0]["content"] == "Re-rank."
+    assert parse_ranking(rec["assistant"], SIDS).permutation == tuple([k] + [i for i in range(10) if i != k])
