@@ -94,6 +94,27 @@ class SasrecRun:
     test_result: dict
 
 
+def _reuse_checkpoint(done: Path, info_path: Path, settings: dict, model, device) -> float | None:
+    """Load a finished SASRec checkpoint into `model` if it was trained with these settings; returns
+    its training seconds, or None (train again). A checkpoint from before settings were recorded is
+    reused only if its weights fit the model (a changed size used to load silently or crash)."""
+    if not done.exists():
+        return None
+    info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    if "settings" in info and info["settings"] != settings:
+        log.warning("SASRec checkpoint %s was trained with other settings; training again", done)
+        return None
+    state = torch.load(done, map_location=device)
+    try:
+        model.load_state_dict(state["state_dict"])
+    except RuntimeError as e:
+        log.warning("SASRec checkpoint %s does not fit the configured model (%s); training again",
+                    done, str(e).splitlines()[0])
+        return None
+    log.info("reusing trained SASRec checkpoint %s", done)
+    return float(info.get("train_seconds", 0.0))
+
+
 def train_sasrec(data_root: Path, name: str, run_dir: Path, params: dict, seed: int = 0,
                  evaluate: bool = True) -> SasrecRun:
     """Train SASRec on `<data_root>/<name>`; resumes nothing but reuses a finished checkpoint."""
@@ -114,18 +135,17 @@ def train_sasrec(data_root: Path, name: str, run_dir: Path, params: dict, seed: 
         model = SASRec(config, train_data.dataset).to(config["device"])
         trainer = Trainer(config, model)
         t0 = time.time()
-        if done.exists():
-            log.info("reusing trained SASRec checkpoint %s", done)
-            state = torch.load(done, map_location=config["device"])
-            model.load_state_dict(state["state_dict"])
-            train_seconds = float(json.loads((run_dir / "train_info.json").read_text())["train_seconds"])
+        settings = json.loads(json.dumps({"dataset": name, "params": params, "seed": seed}, default=str))
+        reused = _reuse_checkpoint(done, run_dir / "train_info.json", settings, model, config["device"])
+        if reused is not None:
+            train_seconds = reused
         else:
             trainer.fit(train_data, valid_data, saved=True, show_progress=config["show_progress"])
             state = torch.load(trainer.saved_model_file, map_location=config["device"])
             model.load_state_dict(state["state_dict"])
             train_seconds = time.time() - t0
             Path(trainer.saved_model_file).replace(done)
-            (run_dir / "train_info.json").write_text(json.dumps({"train_seconds": train_seconds}))
+            (run_dir / "train_info.json").write_text(json.dumps({"train_seconds": train_seconds, "settings": settings}))
         model.eval()
         test_result = {}
         if evaluate:

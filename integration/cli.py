@@ -107,8 +107,11 @@ def cmd_pipeline(args) -> int:
     print(f"retrieval: Recall@10 {summary['retrieval']['recall@10']:.4f} (RecBole standard), "
           f"{summary['retrieval']['recall@10_masked']:.4f} (history masked)")
     print(format_summary(summary))
+    from .plots import plot_stage_summary
+
+    plot = plot_stage_summary(summary, Path(cfg["out"]) / "plots" / "stages.png", f"Stage table ({cfg.get('name')})")
     print(f"\nsummary: {Path(cfg['out']) / 'summary.json'}; per-row reports: {Path(cfg['out']) / 'eval'}"
-          f"  ({time.time() - t0:.0f} s)")
+          + (f"; plot: {plot}" if plot else "") + f"  ({time.time() - t0:.0f} s)")
     if getattr(args, "results", None):
         from .results import write_result
 

@@ -199,3 +199,26 @@ def plot_training_curves(doc: dict, path, title: str = "") -> Path | None:
         ax.legend(fontsize=6)
     fig.suptitle(title or "Training curves")
     return _save(fig, path)
+
+
+def plot_stage_summary(summary: dict, path, title: str = "") -> Path | None:
+    """The pipeline's stage table as two bar charts: Recall@1 of every row, decode tokens/s of the
+    language-model rows."""
+    rows = [r for r in summary.get("rows") or [] if r.get("recall@1") is not None]
+    if not rows:
+        return None
+    fig = _new((10.0, 3.8))
+    ax_r, ax_t = fig.subplots(1, 2)
+    names = [r["name"] for r in rows]
+    ax_r.barh(names, [r["recall@1"] for r in rows], color="C0")
+    ax_r.set_xlabel("Recall@1")
+    ax_r.invert_yaxis()
+    lm = [r for r in rows if r.get("tokens_per_second")]
+    if lm:
+        ax_t.barh([r["name"] for r in lm], [r["tokens_per_second"] for r in lm], color="C1")
+        ax_t.invert_yaxis()
+    ax_t.set_xlabel("decode tokens/s")
+    for ax in (ax_r, ax_t):
+        ax.grid(alpha=0.3, axis="x")
+    fig.suptitle(title or "Stage table")
+    return _save(fig, path)

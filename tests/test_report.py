@@ -107,3 +107,12 @@ def test_ar_report_keeps_the_eval_provenance_apart(built, tmp_path):  # noqa: F8
     assert "command" not in rep and rep["eval_command"] == "dgr2 eval --model M" and rep["eval_commit"] == "abc"
     line = provenance({**rep, "command": "dgr2 report ar", "commit": "def"})
     assert "`dgr2 report ar`" in line and "Evaluated by `dgr2 eval --model M`" in line
+
+
+def test_stage_summary_plot(tmp_path):
+    from integration.plots import plot_stage_summary
+
+    rows = [{"name": "retriever order", "recall@1": 0.2}, {"name": "AR GR2", "recall@1": 0.3, "tokens_per_second": 50.0}]
+    png = plot_stage_summary({"rows": rows}, tmp_path / "p" / "stages.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+    assert plot_stage_summary({"rows": []}, tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
