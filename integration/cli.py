@@ -230,11 +230,11 @@ def cmd_report(args) -> int:
     from .results import write_result
 
     if args.kind == "ar":
-        if not args.eval or len(args.eval) != 1:
-            raise SystemExit("dgr2 report ar: give exactly one --eval (the final AR model's report)")
+        if not args.eval:
+            raise SystemExit("dgr2 report ar: --eval is required (the final AR model's report)")
         before = R.load_report(args.before) if args.before else None
         stages = dict(R.parse_pairs(args.stage, "--stage"))
-        rep = R.ar_report(R.load_report(args.eval[0]), args.data, before, stages, args.n_boot, args.seed)
+        rep = R.ar_report(R.load_report(args.eval), args.data, before, stages, args.n_boot, args.seed)
     elif args.kind == "curves":
         rep = R.training_curves(R.parse_pairs(args.run, "--run"))
     else:
@@ -333,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="assemble docs/results files (AR report, stage table) from `dgr2 eval` reports")
     rp.add_argument("kind", choices=["ar", "stages", "curves"])
     rp.add_argument("--out", required=True)
-    rp.add_argument("--eval", action="append", help="ar: the final AR model's eval report")
+    rp.add_argument("--eval", help="ar: the final AR model's eval report")
     rp.add_argument("--before", help="ar: the eval report of the model before the last stage (e.g. after sft)")
     rp.add_argument("--data", help="ar: re-ranking data dir (the baselines are recomputed on its test users)")
     rp.add_argument("--stage", action="append", default=[], help="ar: NAME=STAGE_OUTPUT_DIR (its wall-clock is reported)")

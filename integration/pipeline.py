@@ -155,12 +155,13 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
             "vs_retriever", "failures", "decoder", "model")
     rows = [{"name": "retriever order", **table[0]["retriever"]}] if table else []
     rows += [{"name": rep["label"], **{k: rep.get(k) for k in keep}} for rep in table]
+    baselines = json.loads((data_dir / "baselines.json").read_text())
     summary = {"name": cfg.get("name"), "test_users": table[0]["n"] if table else 0,
                "tau": float(section(cfg, "eval").get("tau", 0.9)), "block_size": block, "rows": rows,
                "retrieval": {k: retrieval.get(k) for k in
                ("recall@10", "ndcg@10", "recall@10_masked", "ndcg@10_masked", "test_users_target_in_top10")},
-               "baselines": json.loads((data_dir / "baselines.json").read_text())["methods"],
-               "baselines_info": {"test_users": json.loads((data_dir / "baselines.json").read_text())["test_users"]},
+               "baselines": baselines["methods"],
+               "baselines_info": {"test_users": baselines["test_users"]},
                "timings": timings,
                "stage_wall_seconds": {("copy_warmup" if i < n_warm else r["name"]):
                                       (read_done(r["output_dir"]) or {}).get("wall_seconds")
@@ -207,7 +208,7 @@ def evaluate_rows(rows, data_dir: Path, ecfg: dict, eval_dir: Path) -> list[dict
 
 def format_summary(summary: dict) -> str:
     rows = summary["rows"]
-    n_base = next((b.get("test_users") for b in [summary.get("baselines_info", {})]), None)
+    n_base = summary.get("baselines_info", {}).get("test_users")
     lines = [f"language-model rows and the retriever row: {summary.get('test_users')} test users; "
              f"baseline rows (random, co-purchase, learned scorer): all {n_base or '?'} test users",
              f"{'row':22s} {'R@1':>7s} {'R@3':>7s} {'NDCG@3':>7s} {'valid':>7s} {'tok/s':>8s} {'speed-up':>8s}"

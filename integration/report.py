@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from candidate_gen.atomic import read_jsonl
 from reranker.metrics import compare, summarize
 from reranker.stages.base import read_done
 
@@ -138,18 +139,11 @@ def training_curves(runs: list[tuple[str, str]]) -> dict:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no metrics log (a stage's run dir holds one: <runs>/<stage>)")
         curves: dict[str, dict[str, list]] = {"train": {}, "valid": {}}
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-            kind = row.get("kind")
-            if kind not in curves:
+        for row in read_jsonl(path):
+            if row.get("kind") not in curves:
                 continue
             for k, v in row.items():
                 if k not in _NOT_CURVES and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    curves[kind].setdefault(k, []).append([row.get("step"), v])
+                    curves[row["kind"]].setdefault(k, []).append([row.get("step"), v])
         out[label] = curves
     return {"runs": out}

@@ -83,7 +83,10 @@ def test_permutations(data_dir, retrieval_dir=None, items_path=None, seed: int =
 
 def baseline_ranks(data_dir, retrieval_dir=None, items_path=None, seed: int = 0) -> dict[str, np.ndarray]:
     """Per-user 0-based rank of the target under every baseline (for paired comparisons)."""
-    rows, perms = test_permutations(data_dir, retrieval_dir, items_path, seed)
+    return _target_ranks(*test_permutations(data_dir, retrieval_dir, items_path, seed))
+
+
+def _target_ranks(rows, perms) -> dict[str, np.ndarray]:
     targets = [r["target_index"] for r in rows]
     return {name: new_ranks(p, targets) for name, p in perms.items()}
 
@@ -91,13 +94,11 @@ def baseline_ranks(data_dir, retrieval_dir=None, items_path=None, seed: int = 0)
 def run_baselines(data_dir, retrieval_dir=None, items_path=None, n_boot: int = 2000, seed: int = 0) -> dict:
     """Baselines on ``data_dir``/test.jsonl (built by reranker.dataset.build_rerank_data)."""
     rows, perms = test_permutations(data_dir, retrieval_dir, items_path, seed)
-    targets = [r["target_index"] for r in rows]
-    floor = new_ranks(perms["retriever"], targets)
-    methods = {}
-    for name, p in perms.items():
-        ranks = new_ranks(p, targets)
-        methods[name] = {"metrics": summarize(ranks),
-                         "vs_retriever": compare(floor, ranks, n_boot=n_boot, seed=seed) if name != "retriever" else None}
+    ranks = _target_ranks(rows, perms)
+    floor = ranks["retriever"]
+    methods = {name: {"metrics": summarize(r),
+                      "vs_retriever": compare(floor, r, n_boot=n_boot, seed=seed) if name != "retriever" else None}
+               for name, r in ranks.items()}
     return {"test_users": len(rows), "n_candidates": len(rows[0]["candidates"]), "n_boot": n_boot, "seed": seed,
             "methods": methods}
 
