@@ -459,8 +459,9 @@ def curves_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
 def sid_copy_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
     """docs/results/sid-copy-<name>.json (`dgr2 sid-copy`): can the model copy SIDs?
 
-    Schema: {"rows" (required): [{"model", "file", "examples", "by_level": {<level>: accuracy}}],
-    optional "commands": [...] (one per appended run)}.
+    Schema: {"rows" (required): [{"model", "file", "examples", "by_level": {<level>: accuracy},
+    optional "by_prefix": {<level>: {"shared"|"unique": {"accuracy", "tokens"}}}, optional "errors":
+    {"other_candidate", "context", "invented"}}], optional "commands": [...] (one per appended run)}.
     """
     cmds = r.get("commands") or []
     out = [f"### {name}", "", "Teacher-forced accuracy of each answer token, by SID level (a model that copies gets "
@@ -472,6 +473,21 @@ def sid_copy_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
         acc = row.get("by_level", {})
         out.append(f"| `{row.get('model')}` | `{row.get('file')}` | {_fmt(row.get('examples'))} | "
                    + " | ".join(_fmt(acc.get(k), 3) for k in levels) + " |")
+    detailed = [row for row in r["rows"] if row.get("by_prefix") or row.get("errors")]
+    if detailed:
+        out += ["", "Where the copying fails: accuracy of each SID level when the SID's earlier levels are shared "
+                "with another candidate (copying must know which candidate it is on) or unique (a plain content "
+                "match finds the source), and where each wrong SID token comes from (another candidate's code: "
+                "the lookup hit the wrong candidate).", "",
+                "| model | examples from | level: shared / unique prefix | wrong: other candidate / context / "
+                "invented |", "|---|---|---|---|"]
+        for row in detailed:
+            split = "; ".join(f"{lvl} " + " / ".join(f"{kinds[k]['accuracy']:.3f}" if k in kinds else "–"
+                                                     for k in ("shared", "unique"))
+                              for lvl, kinds in sorted(row.get("by_prefix", {}).items()))
+            err = row.get("errors") or {}
+            out.append(f"| `{row.get('model')}` | `{row.get('file')}` | {split} | "
+                       + " / ".join(_fmt(err.get(k)) for k in ("other_candidate", "context", "invented")) + " |")
     return out + [""]
 
 

@@ -212,6 +212,12 @@ def cmd_sid_copy(args) -> int:
     for r in rows:
         print(f"{r['model']}: " + ", ".join(f"{k} {v:.3f}" for k, v in r["by_level"].items())
               + f" ({r['examples']} examples of {r['file']})")
+        split = [f"{lvl} {kind} {v['accuracy']:.3f} (n={v['tokens']})"
+                 for lvl, kinds in r.get("by_prefix", {}).items() for kind, v in kinds.items()]
+        if split:
+            print("  by prefix (shared with another candidate or unique): " + ", ".join(split))
+        if r.get("errors"):
+            print("  wrong SID tokens: " + ", ".join(f"{k} {v}" for k, v in r["errors"].items()))
     if args.out:
         from .results import write_result
 

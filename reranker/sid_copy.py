@@ -29,28 +29,78 @@ def token_levels(tokenizer) -> dict[int, str]:
     return out
 
 
+def _answer_sids(ids: list[int], levels: dict[int, str]) -> list[tuple[int, ...]]:
+    """The SIDs (tuples of code-token ids) written in a token sequence, in order."""
+    out, cur = [], []
+    for t in ids:
+        if t in levels:
+            if levels[t] == "a" and cur:
+                out.append(tuple(cur))
+                cur = []
+            cur.append(t)
+        elif cur:
+            out.append(tuple(cur))
+            cur = []
+    return out + ([tuple(cur)] if cur else [])
+
+
 @torch.no_grad()
 def sid_copy_accuracy(model, tokenizer, records: list[dict], batch_size: int = 8, max_len: int = 1024) -> dict:
-    """{"by_level": {level: accuracy}, "tokens": {level: count}, "examples": n} over the answer
-    tokens of `records` (prompt_messages + assistant), argmax against the reference."""
+    """Teacher-forced argmax accuracy of the answer tokens of `records` (prompt_messages + assistant):
+
+    * "by_level": per SID level (a, b, c, d) and "other" (JSON and end tokens);
+    * "by_prefix": the same per level, split by whether the SID's earlier levels (the prefix already
+      written) are shared with another SID of the answer ("shared": copying needs to know which
+      candidate it is on) or not ("unique": a plain content match finds the source);
+    * "errors": each wrong SID-token prediction, by where the predicted token comes from:
+      "other_candidate" (a code of another SID of the answer, i.e. the lookup hit the wrong
+      candidate), "context" (elsewhere before the answer: prompt or reasoning, e.g. a history item) or "invented".
+    The answer's SIDs are the candidates (a valid answer is a permutation of them)."""
     levels = token_levels(tokenizer)
     model.eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     encoded, _ = encode_examples(tokenizer, records, max_len)
     hits: dict[str, int] = {}
     counts: dict[str, int] = {}
+    split: dict[str, list[int]] = {}  # "b/shared" -> [hits, count]
+    errors = {"other_candidate": 0, "context": 0, "invented": 0}
     for s in range(0, len(encoded), batch_size):
         b = collate(encoded[s:s + batch_size], pad)
         logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
                        position_ids=b["position_ids"], use_cache=False).logits
         pred, target = logits[:, :-1].argmax(-1), b["labels"][:, 1:]
         keep = b["answer_mask"][:, 1:] & (target >= 0)
-        for p, t in zip(pred[keep].tolist(), target[keep].tolist()):
-            lvl = levels.get(t, "other")
-            counts[lvl] = counts.get(lvl, 0) + 1
-            hits[lvl] = hits.get(lvl, 0) + int(p == t)
+        for r in range(pred.shape[0]):
+            row_keep = keep[r]
+            answer_ids = target[r][row_keep].tolist()
+            sids = _answer_sids(answer_ids, levels)
+            cand_tokens = {t for sid in sids for t in sid}
+            context_tokens = set(b["input_ids"][r][b["attention_mask"][r].bool() & ~b["answer_mask"][r]].tolist())
+            prefix: list[int] = []
+            for p, t in zip(pred[r][row_keep].tolist(), answer_ids):
+                lvl = levels.get(t, "other")
+                counts[lvl] = counts.get(lvl, 0) + 1
+                hits[lvl] = hits.get(lvl, 0) + int(p == t)
+                if lvl == "other":
+                    prefix = []
+                    continue
+                if lvl == "a":
+                    prefix = []
+                n_match = sum(1 for sid in sids if list(sid[:len(prefix)]) == prefix)
+                key = f"{lvl}/{'shared' if n_match > 1 else 'unique'}"
+                h_c = split.setdefault(key, [0, 0])
+                h_c[0] += int(p == t)
+                h_c[1] += 1
+                if p != t:
+                    kind = "other_candidate" if p in cand_tokens else "context" if p in context_tokens else "invented"
+                    errors[kind] += 1
+                prefix.append(t)
+    by_prefix: dict[str, dict] = {}
+    for key in sorted(split):
+        lvl, kind = key.split("/")
+        by_prefix.setdefault(lvl, {})[kind] = {"accuracy": split[key][0] / split[key][1], "tokens": split[key][1]}
     return {"by_level": {k: hits[k] / counts[k] for k in sorted(counts)}, "tokens": dict(sorted(counts.items())),
-            "examples": len(encoded)}
+            "by_prefix": by_prefix, "errors": errors, "examples": len(encoded)}
 
 
 def run_sid_copy(model_dir, data_dir, file: str = "valid.jsonl", limit: int | None = 64, batch_size: int = 8) -> dict:

@@ -73,7 +73,11 @@ def fake_results():
             {"name": "SASRec + Diffusion-GR2", "tau": 0.9, "recall@10": 0.0812, "ndcg@10": 0.0452, "seconds": 12.5}]),
         "curves-tiny": prov(runs={"opd": {"train": {"kl": [[1, 0.9], [2, 0.5]]}, "valid": {"kl": [[2, 0.6]]}},
                                   "rl": {"train": {"reward_mean": [[1, 0.1], [2, 0.3]]}, "valid": {}}}),
-        "sid-copy-tiny": prov(rows=[{"model": "m", "file": "f", "examples": 4, "by_level": {"a": 0.5, "b": 0.25}}]),
+        "sid-copy-tiny": prov(rows=[{"model": "m", "file": "f", "examples": 4, "by_level": {"a": 0.5, "b": 0.25}},
+                                    {"model": "m2", "file": "f", "examples": 4, "by_level": {"a": 1.0, "b": 0.5},
+                                     "by_prefix": {"b": {"shared": {"accuracy": 0.25, "tokens": 8},
+                                                         "unique": {"accuracy": 0.75, "tokens": 8}}},
+                                     "errors": {"other_candidate": 7, "context": 1, "invented": 0}}]),
         "something-else": prov(x=1),
     }
 
@@ -101,6 +105,7 @@ def test_every_section_renders_with_provenance_and_plots(tmp_path):
     assert "`something-else.json`" in md
     plots = tmp_path / "docs" / "plots"
     assert "| `m` | `f` | 4 | 0.500 | 0.250 |" in md
+    assert "| `m2` | `f` | b 0.250 / 0.750 | 7 / 1 / 0 |" in md
     assert "| rl (train) | reward_mean | 0.1000 | 0.3000 | 2 |" in md
     for png in ("curves-tiny.png", "tau-frontier-tiny.png", "speedup-length-tiny.png", "speedup-batch-tiny.png", "service-load.png"):
         data = (plots / png).read_bytes()

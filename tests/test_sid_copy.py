@@ -40,3 +40,38 @@ def test_sid_copy_accuracy_by_level():
     bad_b.vocab = len(tok)
     res = sid_copy_accuracy(bad_b, tok, recs)
     assert res["by_level"]["b"] == 0.0 and res["by_level"]["a"] == 1.0
+
+
+class SwapB(Oracle):
+    """Copies everything except the second SID level, where it writes another candidate's code."""
+
+    def __init__(self, swap):
+        super().__init__()
+        self.swap = swap
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
+        nxt = torch.roll(input_ids, -1, dims=1)
+        nxt = torch.tensor([[self.swap.get(int(t), int(t)) for t in row] for row in nxt])
+        return type("Out", (), {"logits": torch.nn.functional.one_hot(nxt, self.vocab).float()})()
+
+
+def test_sid_copy_splits_by_prefix_and_classifies_errors():
+    from reranker.copy_warmup import copy_example
+    from reranker.tokenizer import build_tokenizer
+    from tests.test_tokenizer import corpus
+
+    tok = build_tokenizer(corpus() + [copy_example(SIDS, 0)["assistant"]], vocab_size=600)
+    recs = [copy_example(SIDS, k) for k in range(2)]
+    perfect = Oracle()
+    perfect.vocab = len(tok)
+    res = sid_copy_accuracy(perfect, tok, recs)
+    # SIDS: distinct first levels, so every later level has a unique prefix; the first level never does.
+    assert set(res["by_prefix"]["a"]) == {"shared"} and set(res["by_prefix"]["b"]) == {"unique"}
+    assert res["errors"] == {"other_candidate": 0, "context": 0, "invented": 0}
+    b0, b1 = tok.convert_tokens_to_ids(["<b_0>", "<b_1>"])
+    swapped = SwapB({b0: b1})
+    swapped.vocab = len(tok)
+    res = sid_copy_accuracy(swapped, tok, recs)
+    n_b0 = 2 * sum(1 for s in SIDS if "<b_0>" in s)  # answer SIDs with <b_0>, two examples
+    assert res["errors"] == {"other_candidate": n_b0, "context": 0, "invented": 0}, res["errors"]
+    assert res["by_prefix"]["b"]["unique"]["accuracy"] == 1 - n_b0 / res["tokens"]["b"]
