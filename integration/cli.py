@@ -200,7 +200,7 @@ def cmd_data_copy_warmup(args) -> int:
     from reranker.copy_warmup import build_copy_warmup
 
     out = build_copy_warmup(args.data, args.out_name, seed=args.seed, limit=args.limit, source=args.source,
-                            full_prompt=args.full_prompt)
+                            full_prompt=args.full_prompt, random_sids=args.random_sids)
     print(f"copy warm-up examples written to {out}")
     return 0
 
@@ -403,6 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--out-name", default="copy_warmup.jsonl", help="file name written in the data dir")
     dc.add_argument("--full-prompt", action="store_true",
                     help="keep each list's real prompt (history, evidence) instead of a short list of SIDs")
+    dc.add_argument("--random-sids", action="store_true",
+                    help="relabel every SID at random: the model must copy, it cannot recall the catalogue")
     dc.set_defaults(func=cmd_data_copy_warmup)
     bl = sub.add_parser("baselines", help="retriever order, random, co-purchase sort, learned scorer (with CIs)")
     bl.add_argument("--config", required=True)

@@ -48,3 +48,51 @@ def test_full_prompt_copy_keeps_the_real_prompt_and_asks_for_k_first(tmp_path):
     k = int(content.rsplit("Put #", 1)[1].split(" ", 1)[0]) - 1
     assert rec["prompt_messages"][0]["content"] == "Re-rank."
     assert parse_ranking(rec["assistant"], SIDS).permutation == tuple([k] + [i for i in range(10) if i != k])
+
+
+def test_relabel_sids_is_consistent_keeps_prefixes_and_never_merges_sids():
+    import random
+
+    from reranker.copy_warmup import relabel_sids
+
+    sids = SIDS + ["<|sid_begin|><a_0><b_0><c_1><d_1><|sid_end|>"]  # shares a, b, c with SIDS[0]
+    rec = {"prompt_messages": [{"role": "user", "content": "h " + sids[3] + "\n" + "\n".join(sids)}],
+           "assistant": json.dumps({"ranking": sids[::-1]}), "candidate_sids": sids}
+    out = relabel_sids(rec, random.Random(0))
+    assert out == relabel_sids(rec, random.Random(0)) and out != relabel_sids(rec, random.Random(1))
+    new = out["candidate_sids"]
+    assert len(set(new)) == len(new) and not set(new) & set(sids)
+    assert new[11 - 1][:-len("<d_1><|sid_end|>")] == new[0][:-len("<d_0><|sid_end|>")]  # shared prefix kept
+    lines = out["prompt_messages"][0]["content"].split("\n")
+    assert lines[0] == "h " + new[3] and lines[1:] == new  # the same SID -> the same new SID everywhere
+    assert list(parse_ranking(out["assistant"], new).permutation) == list(range(len(sids)))[::-1]
+
+
+def test_relabel_sids_redraws_a_collision():
+    import random
+
+    from reranker.copy_warmup import relabel_sids
+
+    class Fixed(random.Random):  # every draw 7 until told otherwise: the second SID collides once
+        def __init__(self):
+            super().__init__(0)
+            self.draws = [7, 7, 7, 7, 7, 7, 9]
+
+        def randrange(self, n):
+            return self.draws.pop(0) if self.draws else super().randrange(n)
+
+    a = "<|sid_begin|><a_1><b_1><c_1><d_0><|sid_end|>"
+    b = "<|sid_begin|><a_2><b_2><c_2><d_0><|sid_end|>"
+    out = relabel_sids({"prompt_messages": [], "assistant": a + b}, Fixed())
+    assert out["assistant"] == ("<|sid_begin|><a_7><b_7><c_7><d_0><|sid_end|>"
+                                "<|sid_begin|><a_7><b_7><c_9><d_0><|sid_end|>")
+
+
+def test_build_copy_warmup_random_sids(tmp_path):
+    rows = [{"candidate_sids": SIDS, "prompt_messages": [], "assistant": "x"} for _ in range(3)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recs = [json.loads(x) for x in build_copy_warmup(tmp_path, seed=2, random_sids=True).read_text().splitlines()]
+    for r in recs:
+        answer = json.loads(r["assistant"].split("</think>\n", 1)[1])["ranking"]
+        assert not set(answer) & set(SIDS) and len(set(answer)) == 10
+        assert all(s in r["prompt_messages"][1]["content"] for s in answer)
