@@ -94,12 +94,14 @@ def full_prompt_copy_example(record: dict, k: int) -> dict:
 
 
 def build_copy_warmup(data_dir, out_name: str = "copy_warmup.jsonl", seed: int = 0, limit: int | None = None,
-                      source: str = "train.jsonl", full_prompt: bool = False, random_sids: bool = False) -> Path:
+                      source: str = "train.jsonl", full_prompt: bool = False, random_sids: bool = False,
+                      out_path=None) -> Path:
     """Write <data_dir>/<out_name>: one warm-up example per list of <data_dir>/<source>
     (train.jsonl for training; valid.jsonl gives held-out examples for the SID-copy diagnostic).
     full_prompt: keep the list's real prompt (retriever order, history and evidence) instead of a
     short shuffled list of SIDs. random_sids: relabel every SID at random (`relabel_sids`), so the
-    examples test and teach copying, not the catalogue."""
+    examples test and teach copying, not the catalogue. out_path: write there instead (held-out probe
+    files belong outside the data dir, whose fingerprint covers every top-level JSONL file)."""
     data_dir = Path(data_dir)
     required = {"candidate_sids": list, "prompt_messages": list} if full_prompt else {"candidate_sids": list}
     rows = read_jsonl(data_dir / source, required, limit)
@@ -115,6 +117,7 @@ def build_copy_warmup(data_dir, out_name: str = "copy_warmup.jsonl", seed: int =
         if random_sids:
             rec = relabel_sids(rec, rng)
         lines.append(json.dumps(rec, ensure_ascii=False))
-    out = data_dir / out_name
+    out = Path(out_path) if out_path is not None else data_dir / out_name
+    out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, "\n".join(lines) + "\n")
     return out

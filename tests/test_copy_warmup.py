@@ -96,3 +96,12 @@ def test_build_copy_warmup_random_sids(tmp_path):
         answer = json.loads(r["assistant"].split("</think>\n", 1)[1])["ranking"]
         assert not set(answer) & set(SIDS) and len(set(answer)) == 10
         assert all(s in r["prompt_messages"][1]["content"] for s in answer)
+
+
+def test_build_copy_warmup_out_path_leaves_the_data_dir_alone(tmp_path):
+    rows = [{"candidate_sids": SIDS, "prompt_messages": [], "assistant": "x"} for _ in range(2)]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "valid.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = build_copy_warmup(tmp_path / "data", source="valid.jsonl", out_path=tmp_path / "probe" / "p.jsonl")
+    assert out == tmp_path / "probe" / "p.jsonl" and len(out.read_text().splitlines()) == 2
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["valid.jsonl"]
