@@ -183,20 +183,34 @@ def plot_training_curves(doc: dict, path, title: str = "") -> Path | None:
     metrics = [m for m in CURVE_METRICS if any(m in c.get(kind, {}) for c in runs.values() for kind in c)]
     if not metrics:
         return None
-    fig = _new((3.4 * len(metrics), 3.2))
+    # One legend for the figure, below the panels: per-panel legends hide the curves once a few
+    # runs are compared.
+    fig = _new((3.4 * len(metrics), 3.2 + 0.15 * len(runs)))
     axes = fig.subplots(1, len(metrics), squeeze=False)[0]
-    colours = {label: f"C{i}" for i, label in enumerate(runs)}
+    colours = {label: f"C{i % 10}" for i, label in enumerate(runs)}
     for ax, m in zip(axes, metrics):
+        values = []
         for label, c in runs.items():
             for kind, style in (("train", "-"), ("valid", "o--")):
                 pts = c.get(kind, {}).get(m)
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=colours[label],
                             label=f"{label} ({kind})", markersize=3, linewidth=1)
+                    values += [p[1] for p in pts]
+        positive = [v for v in values if v > 0]
+        if positive and len(positive) == len(values) and max(positive) > 30 * min(positive):
+            ax.set_yscale("log")  # losses spanning orders of magnitude
         ax.set_title(m)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
+    handles, labels = axes[0].get_legend_handles_labels()
+    for ax in axes[1:]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    fig.legend(handles, labels, loc="outside lower center", fontsize=7,
+               ncol=1 if len(labels) > 4 else len(labels), frameon=False)
     fig.suptitle(title or "Training curves")
     return _save(fig, path)
 

@@ -123,7 +123,7 @@ class SASRecReranked(SequentialRecommender):
                 perms.append(res.permutation)
                 self.rerank_stats["users"] += 1
                 self.rerank_stats["reordered"] += list(res.permutation) != list(range(len(res.permutation)))
-                self.rerank_stats["fallback"] += bool(getattr(res, "fallback", False))
+                self.rerank_stats["fallback"] += bool(res.fallback)
         # Rewrite the top-N scores in the re-ranked order, all above every other item's score.
         base = top_scores[:, :1] + 1.0
         for r, perm in enumerate(perms):

@@ -17,7 +17,7 @@ def retrieval(tmp_path_factory, tiny_catalog):
     return out, res
 
 
-def run_snippet(out, rerank_model=None, rerank_data=None, engine=None):
+def run_snippet(out, rerank_model=None, rerank_data=None, engine=None, namespace=False):
     text = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
     code = re.search(r"<!-- recbole-snippet -->\n```python\n(.*?)```", text, re.S).group(1)
     if engine is not None:  # inject a ready engine instead of loading one from directories
@@ -27,7 +27,7 @@ def run_snippet(out, rerank_model=None, rerank_data=None, engine=None):
            "SASREC_CKPT": str(out / "sasrec" / "sasrec.pth"), "DATASET": "tiny",
            "RERANK_MODEL": rerank_model, "RERANK_DATA": rerank_data, "ENGINE": engine}
     exec(compile(code, "README-snippet", "exec"), env)
-    return env["result"]
+    return env if namespace else env["result"]
 
 
 def test_sasrec_alone_matches_faiss_history_masked_metrics(retrieval):
@@ -38,17 +38,19 @@ def test_sasrec_alone_matches_faiss_history_masked_metrics(retrieval):
 
 
 class ReverseEngine:
-    """Stands in for a trained re-ranker: reverses the retriever's top-N."""
+    """Stands in for a trained re-ranker: reverses the retriever's top-N (a valid answer, no fallback)."""
 
     def rerank(self, requests, options=None):
         from types import SimpleNamespace
 
-        return [SimpleNamespace(permutation=list(range(len(r.candidates)))[::-1]) for r in requests]
+        return [SimpleNamespace(permutation=list(range(len(r.candidates)))[::-1], fallback=False) for r in requests]
 
 
 def test_reranked_order_is_what_recbole_scores(retrieval):
     out, res = retrieval
-    result = run_snippet(out, engine=ReverseEngine())
+    env = run_snippet(out, engine=ReverseEngine(), namespace=True)
+    result, stats = env["result"], env["model"].rerank_stats
+    assert stats["users"] > 0 and stats["reordered"] == stats["users"] and stats["fallback"] == 0, stats
     # Same top-10 set, so Recall@10 is unchanged; the reversed order lowers NDCG@10.
     assert result["recall@10"] == pytest.approx(res["recall@10_masked"], abs=1e-4)
     assert result["ndcg@10"] < res["ndcg@10_masked"] - 0.01
