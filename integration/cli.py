@@ -200,7 +200,8 @@ def cmd_data_copy_warmup(args) -> int:
     from reranker.copy_warmup import build_copy_warmup
 
     out = build_copy_warmup(args.data, args.out_name, seed=args.seed, limit=args.limit, source=args.source,
-                            full_prompt=args.full_prompt, random_sids=args.random_sids, out_path=args.out)
+                            full_prompt=args.full_prompt, random_sids=args.random_sids, out_path=args.out,
+                            straight=args.straight)
     print(f"copy warm-up examples written to {out}")
     return 0
 
@@ -402,6 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--source", default="train.jsonl", help="lists to build from (valid.jsonl: held-out examples)")
     dc.add_argument("--out-name", default="copy_warmup.jsonl", help="file name written in the data dir")
     dc.add_argument("--out", help="write to this path instead (e.g. a held-out probe file outside the data dir)")
+    dc.add_argument("--straight", type=int, metavar="N",
+                    help="instead: N lists of random SIDs copied verbatim (the plainest copy task, to start from)")
     dc.add_argument("--full-prompt", action="store_true",
                     help="keep each list's real prompt (history, evidence) instead of a short list of SIDs")
     dc.add_argument("--random-sids", action="store_true",

@@ -93,16 +93,51 @@ def full_prompt_copy_example(record: dict, k: int) -> dict:
     return {"prompt_messages": messages, "assistant": think + json.dumps({"ranking": order}, ensure_ascii=False)}
 
 
+def straight_copy_lists(n: int, seed: int = 0, n_sids: int = 10) -> list[dict]:
+    """`n` records that copy a list of random SIDs verbatim: the prompt is the JSON list, the answer
+    is the same JSON list (after a one-word <think> block). No catalogue to recall and no line to
+    find, only the plainest copy: measured on Beauty, a fresh "cpu" model learns it in ~150 steps
+    of 32 (answer NLL 1.8 -> 0.01 between steps 100 and 190: induction heads forming), where it
+    learned nothing about random SIDs inside the real prompt layout in as many steps. First codes
+    come from a small per-list pool, and some second and third codes are tied to the code before,
+    so lists share prefixes as real candidate lists do and copying must look past the first code."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        pool = [rng.randrange(_CODEBOOK) for _ in range(rng.choice([1, 2, 3, 5, 10]))]
+        sids: dict[str, None] = {}  # insertion-ordered (a set's order changes with PYTHONHASHSEED)
+        while len(sids) < n_sids:
+            a = rng.choice(pool)
+            b = rng.randrange(_CODEBOOK) if rng.random() < 0.6 else (a * 7) % _CODEBOOK
+            c = rng.randrange(_CODEBOOK) if rng.random() < 0.7 else (b * 11) % _CODEBOOK
+            sids[f"<|sid_begin|><a_{a}><b_{b}><c_{c}><d_{rng.randrange(4)}><|sid_end|>"] = None
+        order = list(sids)
+        rng.shuffle(order)
+        listing = json.dumps({"ranking": order})
+        out.append({"prompt_messages": [{"role": "system", "content": "Copy the list."},
+                                        {"role": "user", "content": listing}],
+                    "assistant": "<think>\ncopy\n</think>\n" + listing})
+    return out
+
+
 def build_copy_warmup(data_dir, out_name: str = "copy_warmup.jsonl", seed: int = 0, limit: int | None = None,
                       source: str = "train.jsonl", full_prompt: bool = False, random_sids: bool = False,
-                      out_path=None) -> Path:
+                      out_path=None, straight: int | None = None) -> Path:
     """Write <data_dir>/<out_name>: one warm-up example per list of <data_dir>/<source>
     (train.jsonl for training; valid.jsonl gives held-out examples for the SID-copy diagnostic).
     full_prompt: keep the list's real prompt (retriever order, history and evidence) instead of a
     short shuffled list of SIDs. random_sids: relabel every SID at random (`relabel_sids`), so the
     examples test and teach copying, not the catalogue. out_path: write there instead (held-out probe
-    files belong outside the data dir, whose fingerprint covers every top-level JSONL file)."""
+    files belong outside the data dir, whose fingerprint covers every top-level JSONL file).
+    straight: write that many `straight_copy_lists` records instead (no source lists are read)."""
     data_dir = Path(data_dir)
+    out = Path(out_path) if out_path is not None else data_dir / out_name
+    if straight is not None:
+        if straight < 1:
+            raise ValueError(f"straight must be >= 1 lists, got {straight}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in straight_copy_lists(straight, seed)))
+        return out
     required = {"candidate_sids": list, "prompt_messages": list} if full_prompt else {"candidate_sids": list}
     rows = read_jsonl(data_dir / source, required, limit)
     rng = random.Random(seed)
@@ -117,7 +152,6 @@ def build_copy_warmup(data_dir, out_name: str = "copy_warmup.jsonl", seed: int =
         if random_sids:
             rec = relabel_sids(rec, rng)
         lines.append(json.dumps(rec, ensure_ascii=False))
-    out = Path(out_path) if out_path is not None else data_dir / out_name
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, "\n".join(lines) + "\n")
     return out

@@ -105,3 +105,32 @@ def test_build_copy_warmup_out_path_leaves_the_data_dir_alone(tmp_path):
     out = build_copy_warmup(tmp_path / "data", source="valid.jsonl", out_path=tmp_path / "probe" / "p.jsonl")
     assert out == tmp_path / "probe" / "p.jsonl" and len(out.read_text().splitlines()) == 2
     assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["valid.jsonl"]
+
+
+def test_straight_copy_lists_copy_verbatim_share_prefixes_and_do_not_depend_on_the_hash_seed(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from reranker.copy_warmup import straight_copy_lists
+
+    recs = straight_copy_lists(200, seed=4)
+    assert recs == straight_copy_lists(200, seed=4) and recs != straight_copy_lists(200, seed=5)
+    shared = 0
+    for r in recs:
+        listing = json.loads(r["prompt_messages"][1]["content"])["ranking"]
+        assert len(set(listing)) == 10
+        answer = r["assistant"].split("</think>\n", 1)[1]
+        assert list(parse_ranking(r["assistant"], listing).permutation) == list(range(10))
+        assert json.loads(answer)["ranking"] == listing
+        shared += len({s[:s.index("><b_")] for s in listing}) < 10
+    assert shared > 100  # most lists have candidates sharing a first code
+    code = ("import json; from reranker.copy_warmup import straight_copy_lists; "
+            "print(json.dumps(straight_copy_lists(20, seed=1)))")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": h}).stdout for h in ("1", "2")}
+    assert len(outs) == 1
+    out = build_copy_warmup(tmp_path, straight=3, seed=1, out_path=tmp_path / "s.jsonl")
+    assert [json.loads(x) for x in out.read_text().splitlines()] == straight_copy_lists(3, seed=1)
+    with pytest.raises(ValueError, match="straight"):
+        build_copy_warmup(tmp_path, straight=0)
