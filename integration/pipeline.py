@@ -105,13 +105,8 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     stages = section(cfg, "stages")
     ar_specs = []
     if "copy_warmup" in stages:
-        # An `sft` run on copy warm-up examples first (reranker/copy_warmup.py explains why).
-        from reranker.copy_warmup import build_copy_warmup
-
-        if not (data_dir / "copy_warmup.jsonl").is_file():
-            build_copy_warmup(data_dir, seed=seed)
-        ar_specs.append({"name": "sft", "id": "00_copy_warmup", "config": {
-            "train_file": "copy_warmup.jsonl", "valid_file": None, **(stages["copy_warmup"] or {})}})
+        # `sft` runs on copy warm-up examples first (reranker/copy_warmup.py explains why).
+        ar_specs += copy_warmup_specs(stages["copy_warmup"], data_dir, seed)
     n_warm = len(ar_specs)
     ar_specs += [{"name": s, "config": stages[s] or {}} for s in AR_STAGES if s in stages]
     _step("ar", 3, n_steps, " -> ".join(["copy_warmup"] * n_warm + [s for s in AR_STAGES if s in stages]))
@@ -163,11 +158,45 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
                "baselines": baselines["methods"],
                "baselines_info": {"test_users": baselines["test_users"]},
                "timings": timings,
-               "stage_wall_seconds": {("copy_warmup" if i < n_warm else r["name"]):
+               "stage_wall_seconds": {(warmup_label(i, n_warm) if i < n_warm else r["name"]):
                                       (read_done(r["output_dir"]) or {}).get("wall_seconds")
                                       for i, r in enumerate(ar_runs + d_runs)}}
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     return summary
+
+
+WARMUP_BUILD_KEYS = ("full_prompt", "random_sids", "straight")
+
+
+def warmup_label(i: int, n: int) -> str:
+    return "copy_warmup" if n == 1 else f"copy_warmup_{i + 1}"
+
+
+def copy_warmup_specs(setting, data_dir: Path, seed: int) -> list[dict]:
+    """Stage specs of the `copy_warmup` setting: one phase (a dict) or several run in order (a list).
+    Each phase is an `sft` run over copy examples; its `build` key picks them (reranker/copy_warmup.py:
+    full_prompt, random_sids, straight = N lists), the rest are sft settings. The examples go to a
+    file named after `build`, made once, so two phases never share a file by accident."""
+    from reranker.copy_warmup import build_copy_warmup
+
+    phases = setting if isinstance(setting, list) else [setting or {}]
+    specs = []
+    for i, phase in enumerate(phases):
+        if not isinstance(phase, dict):
+            raise ValueError(f"stages.copy_warmup[{i}]: expected a mapping of settings, got {phase!r}")
+        phase = dict(phase)
+        build = phase.pop("build", None) or {}
+        bad = sorted(set(build) - set(WARMUP_BUILD_KEYS))
+        if bad:
+            raise ValueError(f"stages.copy_warmup[{i}].build: unknown key(s) {bad}; allowed: {list(WARMUP_BUILD_KEYS)}")
+        name = "copy_warmup.jsonl" if not build else (
+            "copy_warmup-" + "-".join(f"{k}{'' if build[k] is True else build[k]}" for k in sorted(build)
+                                      if build[k]) + ".jsonl")
+        if not (data_dir / name).is_file():
+            build_copy_warmup(data_dir, out_name=name, seed=seed, **build)
+        specs.append({"name": "sft", "id": f"{i:02d}_copy_warmup",
+                      "config": {"train_file": name, "valid_file": None, **phase}})
+    return specs
 
 
 def _items_file(rs) -> Path:

@@ -55,3 +55,27 @@ def test_pipeline_runs_every_stage_then_skips(config, capsys):
     # Training stages were skipped too: the stage outputs carry the first run's wall-clock.
     assert again["stage_wall_seconds"] == summary["stage_wall_seconds"]
     assert "skipped" in log
+
+
+def test_copy_warmup_phases_build_their_own_files(tmp_path):
+    import json
+
+    from integration.pipeline import copy_warmup_specs, warmup_label
+    from tests.test_copy_warmup import SIDS
+
+    rows = [{"candidate_sids": SIDS, "prompt_messages": [{"role": "user", "content": "x\nRank all 10."}],
+             "assistant": "y"} for _ in range(3)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    specs = copy_warmup_specs([{"build": {"straight": 5}, "max_steps": 7},
+                               {"build": {"full_prompt": True, "random_sids": True}, "lr": 1e-3}], tmp_path, 0)
+    assert [s["id"] for s in specs] == ["00_copy_warmup", "01_copy_warmup"]
+    assert [s["config"]["train_file"] for s in specs] == ["copy_warmup-straight5.jsonl",
+                                                          "copy_warmup-full_prompt-random_sids.jsonl"]
+    assert specs[0]["config"]["max_steps"] == 7 and "build" not in specs[0]["config"]
+    assert len((tmp_path / "copy_warmup-straight5.jsonl").read_text().splitlines()) == 5
+    assert copy_warmup_specs({"epochs": 1}, tmp_path, 0)[0]["config"]["train_file"] == "copy_warmup.jsonl"
+    assert [warmup_label(i, 2) for i in range(2)] == ["copy_warmup_1", "copy_warmup_2"]
+    with pytest.raises(ValueError, match=r"copy_warmup\[0\].build: unknown key\(s\) \['shuffle'\]"):
+        copy_warmup_specs({"build": {"shuffle": True}}, tmp_path, 0)
+    with pytest.raises(ValueError, match=r"copy_warmup\[1\]: expected a mapping"):
+        copy_warmup_specs([{}, "fast"], tmp_path, 0)
