@@ -461,7 +461,8 @@ def sid_copy_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
 
     Schema: {"rows" (required): [{"model", "file", "examples", "by_level": {<level>: accuracy},
     optional "by_prefix": {<level>: {"shared"|"unique": {"accuracy", "tokens"}}}, optional "errors":
-    {"other_candidate", "context", "invented"}}], optional "commands": [...] (one per appended run)}.
+    {"other_candidate", "context", "invented"}, optional "greedy": {"valid_rate", ...}}], optional
+    "commands": [...] (one per appended run)}.
     """
     cmds = r.get("commands") or []
     out = [f"### {name}", "", "Teacher-forced accuracy of each answer token, by SID level (a model that copies gets "
@@ -473,21 +474,24 @@ def sid_copy_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
         acc = row.get("by_level", {})
         out.append(f"| `{row.get('model')}` | `{row.get('file')}` | {_fmt(row.get('examples'))} | "
                    + " | ".join(_fmt(acc.get(k), 3) for k in levels) + " |")
-    detailed = [row for row in r["rows"] if row.get("by_prefix") or row.get("errors")]
+    detailed = [row for row in r["rows"] if row.get("by_prefix") or row.get("errors") or row.get("greedy")]
     if detailed:
         out += ["", "Where the copying fails: accuracy of each SID level when the SID's earlier levels are shared "
                 "with another candidate (copying must know which candidate it is on) or unique (a plain content "
                 "match finds the source), and where each wrong SID token comes from (another candidate's code: "
-                "the lookup hit the wrong candidate).", "",
+                "the lookup hit the wrong candidate). Greedy: the share of greedily decoded answers that are a "
+                "valid permutation of the reference answer's SIDs (`--greedy`).", "",
                 "| model | examples from | level: shared / unique prefix | wrong: other candidate / context / "
-                "invented |", "|---|---|---|---|"]
+                "invented | greedy valid |", "|---|---|---|---|---|"]
         for row in detailed:
             split = "; ".join(f"{lvl} " + " / ".join(f"{kinds[k]['accuracy']:.3f}" if k in kinds else "–"
                                                      for k in ("shared", "unique"))
                               for lvl, kinds in sorted(row.get("by_prefix", {}).items()))
             err = row.get("errors") or {}
+            greedy = row.get("greedy") or {}
             out.append(f"| `{row.get('model')}` | `{row.get('file')}` | {split} | "
-                       + " / ".join(_fmt(err.get(k)) for k in ("other_candidate", "context", "invented")) + " |")
+                       + " / ".join(_fmt(err.get(k)) for k in ("other_candidate", "context", "invented"))
+                       + f" | {_fmt(greedy.get('valid_rate'), 3)} |")
     return out + [""]
 
 

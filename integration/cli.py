@@ -209,7 +209,7 @@ def cmd_data_copy_warmup(args) -> int:
 def cmd_sid_copy(args) -> int:
     from reranker.sid_copy import run_sid_copy
 
-    rows = [run_sid_copy(m, args.data, args.file, args.limit) for m in args.model]
+    rows = [run_sid_copy(m, args.data, args.file, args.limit, greedy=args.greedy) for m in args.model]
     for r in rows:
         print(f"{r['model']}: " + ", ".join(f"{k} {v:.3f}" for k, v in r["by_level"].items())
               + f" ({r['examples']} examples of {r['file']})")
@@ -219,6 +219,10 @@ def cmd_sid_copy(args) -> int:
             print("  by prefix (shared with another candidate or unique): " + ", ".join(split))
         if r.get("errors"):
             print("  wrong SID tokens: " + ", ".join(f"{k} {v}" for k, v in r["errors"].items()))
+        if r.get("greedy"):
+            g = r["greedy"]
+            print(f"  greedy decoding: valid {g['valid_rate']:.3f}, the reference order {g['exact_rate']:.3f}"
+                  + "".join(f", {k} {v}" for k, v in g["failures"].items()))
     if args.out:
         from .results import write_result
 
@@ -336,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--limit", type=int, default=64)
     sc.add_argument("--out", help="docs/results JSON file (sid-copy-<name>.json)")
     sc.add_argument("--add-to", action="store_true", help="append these rows to an existing --out file")
+    sc.add_argument("--greedy", action="store_true",
+                    help="also decode greedily and report how many answers are valid permutations of the "
+                         "reference answer's SIDs (and how many equal it)")
     sc.set_defaults(func=cmd_sid_copy)
     rp = sub.add_parser("report", help="assemble docs/results files (AR report, stage table) from `dgr2 eval` reports")
     rp.add_argument("kind", choices=["ar", "stages", "curves"])

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .tokenizer import IM_END, THINK_CLOSE
 from .training.batches import collate, encode_examples, read_jsonl
 
 _LEVEL = re.compile(r"^<([a-z])_\d+>$")
@@ -103,11 +104,58 @@ def sid_copy_accuracy(model, tokenizer, records: list[dict], batch_size: int = 8
             "by_prefix": by_prefix, "errors": errors, "examples": len(encoded)}
 
 
-def run_sid_copy(model_dir, data_dir, file: str = "valid.jsonl", limit: int | None = 64, batch_size: int = 8) -> dict:
+_ANSWER_SID = re.compile(r"<\|sid_begin\|>(?:<[a-z]_\d+>)+<\|sid_end\|>")
+
+
+def reference_ranking(record: dict) -> list[str]:
+    """The SIDs of a record's reference answer (after </think>), in order: the candidates."""
+    return _ANSWER_SID.findall(record["assistant"].split(THINK_CLOSE, 1)[-1])
+
+
+@torch.no_grad()
+def greedy_copy_validity(model, tokenizer, records: list[dict], max_new_tokens: int = 320,
+                         batch_size: int = 8) -> dict:
+    """Greedy AR decoding of each record's prompt, parsed against the SIDs of its reference answer:
+    {"examples", "valid_rate", "exact_rate" (the reference answer's order), "failures": {kind: n}}.
+    On copy tasks (every answer token determined by the prompt) this is the valid-output rate the
+    model would reach on re-ranking if choosing were free: an upper bound to check before SFT."""
+    from .answer import parse_ranking
+    from .decoding.ar import ar_decode
+
+    eos = tokenizer.convert_tokens_to_ids(IM_END)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    model.eval()
+    valid = exact = 0
+    failures: dict[str, int] = {}
+    for s in range(0, len(records), batch_size):
+        chunk = records[s:s + batch_size]
+        prompts = [tokenizer(tokenizer.apply_chat_template(r["prompt_messages"], tokenize=False,
+                                                           add_generation_prompt=True),
+                             add_special_tokens=False)["input_ids"] for r in chunk]
+        out = ar_decode(model, prompts, max_new_tokens, eos, pad)
+        for r, toks in zip(chunk, out.tokens):
+            text = tokenizer.decode(toks, skip_special_tokens=False).split(IM_END, 1)[0]
+            ref = reference_ranking(r)
+            parsed = parse_ranking(text, ref)
+            if parsed.ok:
+                valid += 1
+                exact += list(parsed.permutation) == list(range(len(ref)))
+            else:
+                failures[parsed.failure] = failures.get(parsed.failure, 0) + 1
+    n = max(len(records), 1)
+    return {"examples": len(records), "valid_rate": valid / n, "exact_rate": exact / n,
+            "failures": dict(sorted(failures.items()))}
+
+
+def run_sid_copy(model_dir, data_dir, file: str = "valid.jsonl", limit: int | None = 64, batch_size: int = 8,
+                 greedy: bool = False) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(data_dir) / file
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True)
-    res = sid_copy_accuracy(model, tok, read_jsonl(path, limit), batch_size)
+    records = read_jsonl(path, limit)
+    res = sid_copy_accuracy(model, tok, records, batch_size)
+    if greedy:
+        res["greedy"] = greedy_copy_validity(model, tok, records, batch_size=batch_size)
     return {"model": str(model_dir), "file": str(path), **res}

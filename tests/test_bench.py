@@ -77,7 +77,8 @@ def fake_results():
                                     {"model": "m2", "file": "f", "examples": 4, "by_level": {"a": 1.0, "b": 0.5},
                                      "by_prefix": {"b": {"shared": {"accuracy": 0.25, "tokens": 8},
                                                          "unique": {"accuracy": 0.75, "tokens": 8}}},
-                                     "errors": {"other_candidate": 7, "context": 1, "invented": 0}}]),
+                                     "errors": {"other_candidate": 7, "context": 1, "invented": 0},
+                                     "greedy": {"valid_rate": 0.25, "exact_rate": 0.0, "examples": 4}}]),
         "something-else": prov(x=1),
     }
 
@@ -105,7 +106,7 @@ def test_every_section_renders_with_provenance_and_plots(tmp_path):
     assert "`something-else.json`" in md
     plots = tmp_path / "docs" / "plots"
     assert "| `m` | `f` | 4 | 0.500 | 0.250 |" in md
-    assert "| `m2` | `f` | b 0.250 / 0.750 | 7 / 1 / 0 |" in md
+    assert "| `m2` | `f` | b 0.250 / 0.750 | 7 / 1 / 0 | 0.250 |" in md
     assert "| rl (train) | reward_mean | 0.1000 | 0.3000 | 2 |" in md
     for png in ("curves-tiny.png", "tau-frontier-tiny.png", "speedup-length-tiny.png", "speedup-batch-tiny.png", "service-load.png"):
         data = (plots / png).read_bytes()

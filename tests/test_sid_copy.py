@@ -75,3 +75,33 @@ def test_sid_copy_splits_by_prefix_and_classifies_errors():
     n_b0 = 2 * sum(1 for s in SIDS if "<b_0>" in s)  # answer SIDs with <b_0>, two examples
     assert res["errors"] == {"other_candidate": n_b0, "context": 0, "invented": 0}, res["errors"]
     assert res["by_prefix"]["b"]["unique"]["accuracy"] == 1 - n_b0 / res["tokens"]["b"]
+
+
+def test_greedy_copy_validity_parses_against_the_reference_sids(monkeypatch):
+    from types import SimpleNamespace
+
+    import reranker.decoding.ar as ar
+    from reranker.copy_warmup import copy_example
+    from reranker.sid_copy import greedy_copy_validity, reference_ranking
+    from reranker.tokenizer import IM_END, build_tokenizer
+    from tests.test_tokenizer import corpus
+
+    tok = build_tokenizer(corpus() + [copy_example(SIDS, 0)["assistant"]], vocab_size=600)
+    recs = [copy_example(SIDS, 2), copy_example(SIDS, 3), copy_example(SIDS, 4)]
+    assert reference_ranking(recs[0]) == [SIDS[2]] + SIDS[:2] + SIDS[3:]
+    answers = [recs[0]["assistant"],  # the reference itself
+               "<think>\nx\n</think>\n" + recs[1]["assistant"].split("</think>\n")[1].replace(SIDS[3], SIDS[5]),
+               # SIDS[5] twice: a duplicate
+               '<think>\nx\n</think>\n{"ranking": ' + str(SIDS[::-1]).replace("'", '"') + "}"]  # valid, reordered
+    encoded = [tok(a + IM_END, add_special_tokens=False)["input_ids"] for a in answers]
+    seen = []
+
+    def fake_decode(model, prompts, max_new_tokens, eos, pad):
+        seen.append(len(prompts))
+        out, encoded[:] = encoded[:len(prompts)], encoded[len(prompts):]
+        return SimpleNamespace(tokens=out)
+
+    monkeypatch.setattr(ar, "ar_decode", fake_decode)
+    res = greedy_copy_validity(torch.nn.Identity(), tok, recs, batch_size=2)
+    assert seen == [2, 1]
+    assert res == {"examples": 3, "valid_rate": 2 / 3, "exact_rate": 1 / 3, "failures": {"duplicate": 1}}
