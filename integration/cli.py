@@ -146,6 +146,14 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_model_export(args) -> int:
+    from reranker.training.checkpoint import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.like, args.out)
+    print(f"model of {args.checkpoint} written to {out}")
+    return 0
+
+
 def cmd_model_init(args) -> int:
     from reranker.init_model import init_model
 
@@ -443,6 +451,11 @@ def build_parser() -> argparse.ArgumentParser:
     mi.add_argument("--base", help="a local Hugging Face causal-LM directory to start from instead")
     mi.add_argument("--seed", type=int, default=0)
     mi.set_defaults(func=cmd_model_init)
+    me = msub.add_parser("export", help="a model directory from a training checkpoint (probe a running stage)")
+    me.add_argument("--checkpoint", required=True, help="<runs>/<stage>/checkpoints/stepNNNNNNNN-<tag>.pt")
+    me.add_argument("--like", required=True, help="the stage's input model directory (architecture, tokenizer)")
+    me.add_argument("--out", required=True)
+    me.set_defaults(func=cmd_model_export)
     t = sub.add_parser("train", help="run one training stage (a registered plugin: sft, ar_rl, cft, opd, rl, ...)")
     t.add_argument("stage")
     t.add_argument("--input", required=True, help="input model directory")

@@ -170,6 +170,35 @@ class Checkpointer:
             p.unlink(missing_ok=True)
 
 
+def export_checkpoint(checkpoint, like, out) -> Path:
+    """A model directory (safetensors + tokenizer) from a training checkpoint: the architecture,
+    config and tokenizer of `like` (the stage's input model dir), the weights of `checkpoint`.
+    A stage writes its output dir only when it finishes; this probes one that is still running or
+    was stopped (`dgr2 model export`)."""
+    from transformers import AutoTokenizer
+
+    from reranker.model import load_model
+
+    path = Path(checkpoint)
+    if not _NAME.match(path.name) or not path.is_file():
+        raise ValueError(f"{path}: not a training checkpoint file (<run>/checkpoints/stepNNNNNNNN-<tag>.pt)")
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT or "model" not in ckpt:
+        raise ValueError(f"{path}: not a training checkpoint of format {FORMAT}")
+    model = load_model(like)
+    mine = model.state_dict()
+    theirs = ckpt["model"]
+    missing = [k for k in mine if k not in theirs]
+    unexpected = [k for k in theirs if k not in mine]
+    resized = [f"{k} {tuple(theirs[k].shape)} vs {tuple(v.shape)}" for k, v in mine.items()
+               if k in theirs and tuple(theirs[k].shape) != tuple(v.shape)]
+    if missing or unexpected or resized:
+        raise ValueError(f"{path} does not fit the model of {like}: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}, other shapes {resized[:3]}")
+    model.load_state_dict(theirs)
+    return save_model(model, AutoTokenizer.from_pretrained(str(like)), out)
+
+
 def restore(ckpt: dict, model, optimizer, scheduler, rank: int, world_size: int) -> TrainState:
     """Load a checkpoint into live objects; returns the loop position.
 
