@@ -413,8 +413,8 @@ def recbole_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
     Schema: {"dataset", "history_masked" (bool), "n_users", "n_users_total" and "user_sample_seed"
     (optional: n_users of n_users_total test users, a seeded random sample), "rows" (required; or
     "models": {<name>: {<metric>: value}}): [{"name" (required), "decoder", "tau", "recall@10",
-    "ndcg@10", any other numeric metric, "seconds"}]}. Columns: recall@10 and ndcg@10 first, then
-    every other numeric key.
+    "ndcg@10", any other numeric metric, "seconds", optional "vs_sasrec": {<metric>: {"diff", "ci_low",
+    "ci_high"}}}]}. Columns: recall@10 and ndcg@10 first, then every other numeric key.
     """
     rows = r.get("rows")
     if rows is None:
@@ -431,7 +431,12 @@ def recbole_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
            "| model | " + " | ".join(LABELS.get(k, k) for k in keys) + " |", "|---|" + "---|" * len(keys)]
     for x in rows:
         label = x.get("name", "?") + (f" (τ = {x['tau']})" if x.get("tau") is not None else "")
-        out.append(f"| {label} | " + " | ".join(_fmt(x.get(k)) for k in keys) + " |")
+        vs = x.get("vs_sasrec") or {}
+        out.append(f"| {label} | " + " | ".join(_cell(x.get(k), vs.get(k)) if k in vs else _fmt(x.get(k))
+                                                for k in keys) + " |")
+    if any(x.get("vs_sasrec") for x in rows):
+        out += ["", "In brackets: the difference from SASRec alone with its paired bootstrap 95% CI over the "
+                "same users."]
     return out + [""]
 
 

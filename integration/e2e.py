@@ -118,11 +118,14 @@ def run_e2e(cfg: dict, rerankers: list[tuple[str, str, str]], n_users: int | Non
         n_eval = len(test_data.dataset)  # leave-one-out: one test row per user
 
         rows = []
+        per_user: dict[str, dict[int, int]] = {}
+        n_boot = int(ev.get("n_boot", 2000))
         for rname, model_dir, decoder in [("SASRec alone", None, None), *rerankers]:
             config["rerank_model"] = model_dir
             config["rerank_decoder"] = decoder or "ar"
             init_seed(config["seed"], config["reproducibility"])
             model = SASRecReranked(config, train_data.dataset).to(config["device"])
+            model.target_ranks = []
             bar = None
             if progress and model.engine is not None:
                 # RecBole's own bar moves once per eval batch (thousands of users); count users.
@@ -143,6 +146,10 @@ def run_e2e(cfg: dict, rerankers: list[tuple[str, str, str]], n_users: int | Non
                 bar.close()
             row = {"name": rname, "decoder": decoder, "tau": tau if decoder == "diffusion" else None,
                    **{k: float(v) for k, v in result.items()}, "seconds": round(seconds, 3)}
+            per_user[rname] = dict(model.target_ranks)
+            check_recorded_ranks(rname, per_user[rname], row)
+            if rows:  # paired by user against SASRec alone, the first row
+                row["vs_sasrec"] = compare_to_base(per_user[rows[0]["name"]], per_user[rname], n_boot, seed)
             if model.engine is not None:
                 st = model.rerank_stats
                 row.update(model_dir=str(model_dir), users_reordered=st["reordered"],
@@ -155,17 +162,47 @@ def run_e2e(cfg: dict, rerankers: list[tuple[str, str, str]], n_users: int | Non
             "rerank_batch_size": batch_size, "sasrec_checkpoint": str(ckpt), "rows": rows}
 
 
+def per_user_at_10(ranks: np.ndarray) -> dict[str, np.ndarray]:
+    hit = ranks < 10
+    return {"recall@10": hit.astype(np.float64), "ndcg@10": np.where(hit, 1.0 / np.log2(ranks + 2.0), 0.0)}
+
+
+def check_recorded_ranks(name: str, ranks: dict[int, int], row: dict) -> None:
+    """The per-user ranks recorded from the scores must give RecBole's own numbers, or the
+    intervals would be about something else (ties broken differently, a missed user)."""
+    per = per_user_at_10(np.array(list(ranks.values())))
+    for m, v in per.items():
+        if m in row and abs(float(v.mean()) - row[m]) > 1e-4:
+            raise RuntimeError(f"{name}: {m} from the recorded ranks is {v.mean():.6f}, RecBole reported "
+                               f"{row[m]:.6f}; the paired intervals would not describe RecBole's numbers")
+
+
+def compare_to_base(base: dict[int, int], new: dict[int, int], n_boot: int, seed: int) -> dict:
+    """Paired bootstrap 95% CIs of recall@10 / ndcg@10, `new` minus `base`, over their common users."""
+    from reranker.metrics import paired_bootstrap
+
+    users = sorted(set(base) & set(new))
+    if len(users) != len(base) or len(users) != len(new):
+        raise RuntimeError(f"the rows saw different users ({len(base)} vs {len(new)}, {len(users)} shared)")
+    a = per_user_at_10(np.array([base[u] for u in users]))
+    b = per_user_at_10(np.array([new[u] for u in users]))
+    return {m: paired_bootstrap(a[m], b[m], n_boot, seed) for m in a}
+
+
 def format_e2e(res: dict) -> str:
     sample = (f"a seeded sample (seed {res['user_sample_seed']}) of {res['n_users']} of {res['n_users_total']}"
               if res.get("user_sample_seed") is not None else f"all {res['n_users']}")
     lines = [f"RecBole Trainer.evaluate on {res['dataset']}, full sort, history masked, {sample} test users",
-             f"{'model':28s} {'recall@10':>9s} {'ndcg@10':>8s} {'reordered':>9s} {'fallback':>8s} {'seconds':>8s}"]
+             f"{'model':28s} {'recall@10':>9s} {'ndcg@10':>8s} {'reordered':>9s} {'fallback':>8s} {'seconds':>8s}"
+             "  ndcg@10 vs SASRec alone [paired 95% CI]"]
     for r in res["rows"]:
         label = r["name"] + (f" (tau {r['tau']})" if r.get("tau") is not None else "")
         reordered = "" if r.get("users_reordered") is None else str(r["users_reordered"])
         fallback = "" if r.get("fallback_rate") is None else f"{r['fallback_rate']:.3f}"
+        v = (r.get("vs_sasrec") or {}).get("ndcg@10")
+        ci = f"  {v['diff']:+.4f} [{v['ci_low']:+.4f}, {v['ci_high']:+.4f}]" if v else ""
         lines.append(f"{label:28s} {r['recall@10']:9.4f} {r['ndcg@10']:8.4f} {reordered:>9s} {fallback:>8s} "
-                     f"{r['seconds']:8.1f}")
+                     f"{r['seconds']:8.1f}{ci}")
     return "\n".join(lines)
 
 

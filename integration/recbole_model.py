@@ -69,6 +69,7 @@ class SASRecReranked(SequentialRecommender):
         self.engine = engine
         self.options = None
         self.rerank_stats = {"users": 0, "reordered": 0, "fallback": 0}
+        self.target_ranks: list[tuple[int, int]] | None = None  # a list: full_sort_predict records into it
         model_dir = _get(config, "rerank_model", None)
         if self.engine is None and model_dir:
             from reranker.engine import RerankEngine
@@ -102,9 +103,21 @@ class SASRecReranked(SequentialRecommender):
                 seen = set(self._history(seqs[r], int(u))) | self.user_items.get(int(u), set())
                 scores[r, list(seen)] = -torch.inf
             scores[:, 0] = -torch.inf
-        if self.engine is None:
-            return scores
-        return self._rerank_top(scores, seqs, uids)
+        if self.engine is not None:
+            scores = self._rerank_top(scores, seqs, uids)
+        if self.target_ranks is not None:
+            self._record_target_ranks(scores, interaction, uids)
+        return scores
+
+    def _record_target_ranks(self, scores, interaction, uids) -> None:
+        """Append (user, 0-based rank of the test item among all real items) for each row, the rank
+        RecBole's full-sort evaluator derives from these scores (it sets item 0, the padding id, to
+        -inf), so per-user metrics can be paired across models for bootstrap intervals."""
+        target = interaction[self.POS_ITEM_ID].long().view(-1, 1)
+        real = scores[:, 1:]
+        t = scores.gather(1, target)
+        ranks = (real > t).sum(dim=1).cpu().numpy()
+        self.target_ranks.extend(zip((int(u) for u in uids), (int(k) for k in ranks)))
 
     @torch.no_grad()
     def _rerank_top(self, scores, seqs, uids):

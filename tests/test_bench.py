@@ -70,7 +70,8 @@ def fake_results():
                              diffusion_over_ar_qps={"1": 3.0, "8": 3.0, "32": 3.0}),
         "recbole-e2e-tiny": prov(dataset="tiny", history_masked=True, n_users=300, rows=[
             {"name": "SASRec alone", "recall@10": 0.0812, "ndcg@10": 0.0401},
-            {"name": "SASRec + Diffusion-GR2", "tau": 0.9, "recall@10": 0.0812, "ndcg@10": 0.0452, "seconds": 12.5}]),
+            {"name": "SASRec + Diffusion-GR2", "tau": 0.9, "recall@10": 0.0812, "ndcg@10": 0.0452, "seconds": 12.5,
+             "vs_sasrec": {"ndcg@10": {"diff": 0.0051, "ci_low": 0.0010, "ci_high": 0.0090}}}]),
         "curves-tiny": prov(runs={"opd": {"train": {"kl": [[1, 0.9], [2, 0.5]]}, "valid": {"kl": [[2, 0.6]]}},
                                   "rl": {"train": {"reward_mean": [[1, 0.1], [2, 0.3]]}, "valid": {}}}),
         "sid-copy-tiny": prov(rows=[{"model": "m", "file": "f", "examples": 4, "by_level": {"a": 0.5, "b": 0.25}},
@@ -102,7 +103,7 @@ def test_every_section_renders_with_provenance_and_plots(tmp_path):
     assert "0.3301" in md and "0.3202" in md and "| sft | 12 |" in md
     assert "2.50 [2.25–2.75]" in md  # speed-up per repeat: median [min–max]
     assert "1.90× (6.08 [5.47–6.69] ms)" in md  # forward-cost ratio
-    assert "SASRec + Diffusion-GR2 (τ = 0.9)" in md and "0.0452" in md
+    assert "SASRec + Diffusion-GR2 (τ = 0.9)" in md and "0.0452 (+0.0051 [+0.0010, +0.0090])" in md
     assert "`something-else.json`" in md
     plots = tmp_path / "docs" / "plots"
     assert "| `m` | `f` | 4 | 0.500 | 0.250 |" in md

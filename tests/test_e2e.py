@@ -95,6 +95,14 @@ def test_rerankers_on_a_seeded_user_sample(world, monkeypatch, tmp_path):
     assert rev["fallback_rate"] == 0.0 and rev["users_reordered"] == 40
     assert rev["ndcg@10"] == pytest.approx(faiss_metrics(out, users, reverse=True)[2], abs=1e-4)
     assert rev["ndcg@10"] != pytest.approx(alone["ndcg@10"], abs=1e-6)
+    # Paired intervals against SASRec alone, from per-user ranks that reproduce RecBole's numbers.
+    assert "vs_sasrec" not in alone
+    for row in (ar, diff):  # all fallbacks: identical to SASRec alone, user by user
+        assert row["vs_sasrec"]["ndcg@10"] == {"diff": 0.0, "ci_low": 0.0, "ci_high": 0.0}
+    v = rev["vs_sasrec"]["ndcg@10"]
+    # RecBole rounds its metrics to 4 decimals.
+    assert v["diff"] == pytest.approx(rev["ndcg@10"] - alone["ndcg@10"], abs=1e-4) and v["ci_low"] <= v["diff"] <= v["ci_high"]
+    assert rev["vs_sasrec"]["recall@10"]["diff"] == pytest.approx(0.0, abs=1e-12)
     assert f"40 of {n_total} test users (a random sample, seed 1" in "\n".join(recbole_section("tiny", res))
 
 
