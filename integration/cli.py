@@ -33,6 +33,11 @@ def _retrieval_settings(cfg: dict, data: str | None, out: str | None):
     )
 
 
+def _command() -> str:
+    """This invocation, shell-quoted: the provenance every results file records."""
+    return "dgr2 " + shlex.join(sys.argv[1:])
+
+
 def cmd_retrieve(args) -> int:
     from candidate_gen.retrieve import run_retrieval
 
@@ -42,7 +47,7 @@ def cmd_retrieve(args) -> int:
     if args.results:
         from .results import write_result
 
-        write_result(args.results, res, "dgr2 " + shlex.join(sys.argv[1:]))
+        write_result(args.results, res, _command())
         print(f"results written to {args.results}")
     return 0
 
@@ -58,7 +63,7 @@ def cmd_results(args) -> int:
 
         metrics["hnsw_recall@10_before_remeasure"] = metrics.get("hnsw_recall@10")
         metrics["hnsw_recall@10"] = remeasure_hnsw(args.artifacts, Retriever.load(args.artifacts).encoder)
-        metrics["hnsw_remeasured_by"] = "dgr2 " + shlex.join(sys.argv[1:])
+        metrics["hnsw_remeasured_by"] = _command()
         print(f"hnsw_recall@10 re-measured: {metrics['hnsw_recall@10']:.4f}")
     write_result(args.out, metrics, args.command)
     print(f"results written to {args.out}")
@@ -76,7 +81,7 @@ def cmd_speed(args) -> int:
 
     rep = run_speed_benchmark(
         args.ar, args.diffusion, args.data, args.out, n_prompts=args.n_prompts, split=args.split,
-        command="dgr2 " + shlex.join(sys.argv[1:]), accuracy=not args.no_accuracy, accuracy_limit=args.accuracy_limit,
+        command=_command(), accuracy=not args.no_accuracy, accuracy_limit=args.accuracy_limit,
         batch_sizes=ints(args.batch_sizes), taus=floats(args.taus), block_size=args.block_size,
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup, threads=args.threads,
         lengths=ints(args.lengths), length_taus=floats(args.length_taus), forward_blocks=ints(args.forward_blocks),
@@ -115,7 +120,7 @@ def cmd_pipeline(args) -> int:
     if getattr(args, "results", None):
         from .results import write_result
 
-        write_result(args.results, summary, "dgr2 " + shlex.join(sys.argv[1:]))
+        write_result(args.results, summary, _command())
     return 0
 
 
@@ -133,7 +138,7 @@ def cmd_eval(args) -> int:
     if args.out:
         from .results import write_result
 
-        write_result(args.out, rep, "dgr2 " + shlex.join(sys.argv[1:]))
+        write_result(args.out, rep, _command())
         print(f"results written to {args.out}")
     return 0
 
@@ -238,8 +243,8 @@ def cmd_sid_copy(args) -> int:
         if args.add_to and Path(args.out).is_file():
             old = json.loads(Path(args.out).read_text(encoding="utf-8"))
             payload = {"rows": old.get("rows", []) + rows,
-                       "commands": old.get("commands", [old.get("command")]) + ["dgr2 " + shlex.join(sys.argv[1:])]}
-        write_result(args.out, payload, "dgr2 " + shlex.join(sys.argv[1:]))
+                       "commands": old.get("commands", [old.get("command")]) + [_command()]}
+        write_result(args.out, payload, _command())
         print(f"results written to {args.out}")
     return 0
 
@@ -262,7 +267,7 @@ def cmd_report(args) -> int:
         rep = R.stages_report(rows, args.reference, abl, args.n_boot, args.seed)
     if args.note:
         rep["note"] = args.note
-    write_result(args.out, rep, "dgr2 " + shlex.join(sys.argv[1:]))
+    write_result(args.out, rep, _command())
     print(f"results written to {args.out}")
     return 0
 
@@ -277,7 +282,7 @@ def cmd_baselines(args) -> int:
     if args.results:
         from .results import write_result
 
-        write_result(args.results, res, "dgr2 " + shlex.join(sys.argv[1:]))
+        write_result(args.results, res, _command())
         print(f"results written to {args.results}")
     return 0
 
@@ -291,7 +296,7 @@ def cmd_e2e(args) -> int:
     if args.add_to and not (args.out and Path(args.out).is_file()):
         raise FileNotFoundError(f"--add-to needs an existing --out file, got {args.out!r}")
     res = run_e2e(cfg, rerankers, args.users, args.seed, args.batch_size, args.tau)
-    command = "dgr2 " + shlex.join(sys.argv[1:])
+    command = _command()
     if args.add_to:
         from .e2e import merge_into
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from reranker.metrics import paired_bootstrap, per_user
+
 from .config import section
 
 DECODERS = ("ar", "diffusion")
@@ -162,15 +164,13 @@ def run_e2e(cfg: dict, rerankers: list[tuple[str, str, str]], n_users: int | Non
             "rerank_batch_size": batch_size, "sasrec_checkpoint": str(ckpt), "rows": rows}
 
 
-def per_user_at_10(ranks: np.ndarray) -> dict[str, np.ndarray]:
-    hit = ranks < 10
-    return {"recall@10": hit.astype(np.float64), "ndcg@10": np.where(hit, 1.0 / np.log2(ranks + 2.0), 0.0)}
+AT_10 = {"recall@10": ("recall", 10), "ndcg@10": ("ndcg", 10)}  # what RecBole reports here
 
 
 def check_recorded_ranks(name: str, ranks: dict[int, int], row: dict) -> None:
     """The per-user ranks recorded from the scores must give RecBole's own numbers, or the
     intervals would be about something else (ties broken differently, a missed user)."""
-    per = per_user_at_10(np.array(list(ranks.values())))
+    per = per_user(np.array(list(ranks.values())), AT_10)
     for m, v in per.items():
         if m in row and abs(float(v.mean()) - row[m]) > 1e-4:
             raise RuntimeError(f"{name}: {m} from the recorded ranks is {v.mean():.6f}, RecBole reported "
@@ -179,13 +179,11 @@ def check_recorded_ranks(name: str, ranks: dict[int, int], row: dict) -> None:
 
 def compare_to_base(base: dict[int, int], new: dict[int, int], n_boot: int, seed: int) -> dict:
     """Paired bootstrap 95% CIs of recall@10 / ndcg@10, `new` minus `base`, over their common users."""
-    from reranker.metrics import paired_bootstrap
-
     users = sorted(set(base) & set(new))
     if len(users) != len(base) or len(users) != len(new):
         raise RuntimeError(f"the rows saw different users ({len(base)} vs {len(new)}, {len(users)} shared)")
-    a = per_user_at_10(np.array([base[u] for u in users]))
-    b = per_user_at_10(np.array([new[u] for u in users]))
+    a = per_user(np.array([base[u] for u in users]), AT_10)
+    b = per_user(np.array([new[u] for u in users]), AT_10)
     return {m: paired_bootstrap(a[m], b[m], n_boot, seed) for m in a}
 
 

@@ -31,10 +31,9 @@ from pathlib import Path
 
 from candidate_gen.atomic import atomic_write_text, read_jsonl
 
-SYSTEM = "Copy the candidates."
+from .sid import SID_CODEBOOK, SID_RE, format_sid
 
-_SID = re.compile(r"<\|sid_begin\|><a_(\d+)><b_(\d+)><c_(\d+)><d_(\d+)><\|sid_end\|>")
-_CODEBOOK = 256  # codes per SID level in the tokenizer (reranker.sid.SID_CODEBOOK)
+SYSTEM = "Copy the candidates."
 
 
 def relabel_sids(record: dict, rng: random.Random) -> dict:
@@ -46,7 +45,7 @@ def relabel_sids(record: dict, rng: random.Random) -> dict:
 
     def new_code(key: tuple) -> int:
         if key not in prefix:
-            prefix[key] = rng.randrange(_CODEBOOK)
+            prefix[key] = rng.randrange(SID_CODEBOOK)
         return prefix[key]
 
     owner: dict[str, str] = {}  # new SID -> the SID it replaces: two SIDs must never merge
@@ -54,43 +53,45 @@ def relabel_sids(record: dict, rng: random.Random) -> dict:
     def sub(m: re.Match) -> str:
         a, b, c, d = m.groups()
         while True:
-            codes = (new_code((a,)), new_code((a, b)), new_code((a, b, c)), d)  # d deduplicates: keep it
-            sid = "<|sid_begin|>" + "".join(f"<{x}_{v}>" for x, v in zip("abcd", codes)) + "<|sid_end|>"
+            sid = format_sid((new_code((a,)), new_code((a, b)), new_code((a, b, c)), d))  # d deduplicates: keep it
             if owner.setdefault(sid, m.group(0)) == m.group(0):
                 return sid
             del prefix[(a, b, c)]  # collided with another SID's relabelling: draw its third code again
 
-    messages = [{**m, "content": _SID.sub(sub, m["content"])} for m in record["prompt_messages"]]
-    out = {**record, "prompt_messages": messages, "assistant": _SID.sub(sub, record["assistant"])}
+    messages = [{**m, "content": SID_RE.sub(sub, m["content"])} for m in record["prompt_messages"]]
+    out = {**record, "prompt_messages": messages, "assistant": SID_RE.sub(sub, record["assistant"])}
     if "candidate_sids" in record:
-        out["candidate_sids"] = [_SID.sub(sub, s) for s in record["candidate_sids"]]
+        out["candidate_sids"] = [SID_RE.sub(sub, s) for s in record["candidate_sids"]]
     return out
+
+
+def _promote_answer(sids: list[str], k: int) -> str:
+    """The assistant text of a copy task: a one-sentence <think> block, then #k first and the rest
+    in the listed order, in the re-ranking answer format."""
+    if not 0 <= k < len(sids):
+        raise ValueError(f"promoted index {k} outside 0..{len(sids) - 1}")
+    order = [sids[k]] + [s for i, s in enumerate(sids) if i != k]
+    think = f"<think>\n{sids[k]} (#{k + 1}) first, then the rest in retriever order.\n</think>\n"
+    return think + json.dumps({"ranking": order}, ensure_ascii=False)
 
 
 def copy_example(sids: list[str], k: int) -> dict:
     """One warm-up record (prompt_messages + assistant) for candidate SIDs `sids` and promoted index k."""
-    if not 0 <= k < len(sids):
-        raise ValueError(f"promoted index {k} outside 0..{len(sids) - 1}")
+    assistant = _promote_answer(sids, k)
     lines = "\n".join(f"{i + 1}.{s}" for i, s in enumerate(sids))
-    order = [sids[k]] + [s for i, s in enumerate(sids) if i != k]
     user = f"Candidates (retriever order).\n{lines}\nPut #{k + 1} first, then the rest in retriever order."
-    think = f"<think>\n{sids[k]} (#{k + 1}) first, then the rest in retriever order.\n</think>\n"
     return {"prompt_messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
-            "assistant": think + json.dumps({"ranking": order}, ensure_ascii=False)}
+            "assistant": assistant}
 
 
 def full_prompt_copy_example(record: dict, k: int) -> dict:
     """The same copy task inside a real re-ranking prompt (history SIDs and evidence lines included,
     the distractors a short prompt lacks): its last line asks for #k first, then the rest in order."""
-    sids = [str(s) for s in record["candidate_sids"]]
-    if not 0 <= k < len(sids):
-        raise ValueError(f"promoted index {k} outside 0..{len(sids) - 1}")
+    assistant = _promote_answer([str(s) for s in record["candidate_sids"]], k)
     messages = [dict(m) for m in record["prompt_messages"]]
     body = messages[-1]["content"].rstrip("\n").rsplit("\n", 1)[0]  # drop the "Rank all N candidates." line
     messages[-1]["content"] = f"{body}\nPut #{k + 1} first, then the rest in retriever order."
-    order = [sids[k]] + [s for i, s in enumerate(sids) if i != k]
-    think = f"<think>\n{sids[k]} (#{k + 1}) first, then the rest in retriever order.\n</think>\n"
-    return {"prompt_messages": messages, "assistant": think + json.dumps({"ranking": order}, ensure_ascii=False)}
+    return {"prompt_messages": messages, "assistant": assistant}
 
 
 def straight_copy_lists(n: int, seed: int = 0, n_sids: int = 10) -> list[dict]:
@@ -104,13 +105,13 @@ def straight_copy_lists(n: int, seed: int = 0, n_sids: int = 10) -> list[dict]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        pool = [rng.randrange(_CODEBOOK) for _ in range(rng.choice([1, 2, 3, 5, 10]))]
+        pool = [rng.randrange(SID_CODEBOOK) for _ in range(rng.choice([1, 2, 3, 5, 10]))]
         sids: dict[str, None] = {}  # insertion-ordered (a set's order changes with PYTHONHASHSEED)
         while len(sids) < n_sids:
             a = rng.choice(pool)
-            b = rng.randrange(_CODEBOOK) if rng.random() < 0.6 else (a * 7) % _CODEBOOK
-            c = rng.randrange(_CODEBOOK) if rng.random() < 0.7 else (b * 11) % _CODEBOOK
-            sids[f"<|sid_begin|><a_{a}><b_{b}><c_{c}><d_{rng.randrange(4)}><|sid_end|>"] = None
+            b = rng.randrange(SID_CODEBOOK) if rng.random() < 0.6 else (a * 7) % SID_CODEBOOK
+            c = rng.randrange(SID_CODEBOOK) if rng.random() < 0.7 else (b * 11) % SID_CODEBOOK
+            sids[format_sid((a, b, c, rng.randrange(4)))] = None
         order = list(sids)
         rng.shuffle(order)
         listing = json.dumps({"ranking": order})

@@ -16,11 +16,11 @@ def new_ranks(permutations: list[list[int]], target_index: list[int]) -> np.ndar
     return np.array([perm.index(t) for perm, t in zip(permutations, target_index)], dtype=np.int64)
 
 
-def per_user(ranks: np.ndarray) -> dict[str, np.ndarray]:
-    """Per-user metric values (one target per user) for every reported cut-off."""
+def per_user(ranks: np.ndarray, cutoffs: dict = CUTOFFS) -> dict[str, np.ndarray]:
+    """Per-user metric values (one target per user) for every cut-off (default: the reported ones)."""
     ranks = np.asarray(ranks)
     out = {}
-    for name, (kind, k) in CUTOFFS.items():
+    for name, (kind, k) in cutoffs.items():
         hit = ranks < k
         out[name] = hit.astype(np.float64) if kind == "recall" else np.where(hit, 1.0 / np.log2(ranks + 2.0), 0.0)
     return out

@@ -27,7 +27,8 @@ SID_LETTERS = ("a", "b", "c", "d")
 # per letter, so neither a k-means codebook nor the dedup level may exceed it.
 SID_CODEBOOK = 256
 
-_SID_RE = re.compile(
+# One SID string, its four codes as groups (search, sub or fullmatch with it).
+SID_RE = re.compile(
     re.escape(SID_BEGIN) + "".join(rf"<{letter}_(\d+)>" for letter in SID_LETTERS) + re.escape(SID_END)
 )
 
@@ -48,7 +49,7 @@ def format_sid(codes: Sequence[int]) -> str:
 
 def parse_sid(sid: str) -> tuple[int, int, int, int]:
     """Inverse of :func:`format_sid`; exact match only (no whitespace or partial SIDs)."""
-    m = _SID_RE.fullmatch(sid)
+    m = SID_RE.fullmatch(sid)
     if m is None:
         raise ValueError(f"not a SID string: {sid!r}")
     return tuple(int(g) for g in m.groups())  # type: ignore[return-value]

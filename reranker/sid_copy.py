@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .sid import SID_RE
 from .tokenizer import IM_END, THINK_CLOSE
 from .training.batches import collate, encode_examples, read_jsonl
 
@@ -104,17 +105,14 @@ def sid_copy_accuracy(model, tokenizer, records: list[dict], batch_size: int = 8
             "by_prefix": by_prefix, "errors": errors, "examples": len(encoded)}
 
 
-_ANSWER_SID = re.compile(r"<\|sid_begin\|>(?:<[a-z]_\d+>)+<\|sid_end\|>")
-
-
 def reference_ranking(record: dict) -> list[str]:
     """The SIDs of a record's reference answer (after </think>), in order: the candidates."""
-    return _ANSWER_SID.findall(record["assistant"].split(THINK_CLOSE, 1)[-1])
+    return [m.group(0) for m in SID_RE.finditer(record["assistant"].split(THINK_CLOSE, 1)[-1])]
 
 
 @torch.no_grad()
 def greedy_copy_validity(model, tokenizer, records: list[dict], max_new_tokens: int = 320,
-                         batch_size: int = 8) -> dict:
+                         batch_size: int = 8, max_len: int = 1024) -> dict:
     """Greedy AR decoding of each record's prompt, parsed against the SIDs of its reference answer:
     {"examples", "valid_rate", "exact_rate" (the reference answer's order), "failures": {kind: n}}.
     On copy tasks (every answer token determined by the prompt) this is the valid-output rate the
@@ -129,9 +127,8 @@ def greedy_copy_validity(model, tokenizer, records: list[dict], max_new_tokens: 
     failures: dict[str, int] = {}
     for s in range(0, len(records), batch_size):
         chunk = records[s:s + batch_size]
-        prompts = [tokenizer(tokenizer.apply_chat_template(r["prompt_messages"], tokenize=False,
-                                                           add_generation_prompt=True),
-                             add_special_tokens=False)["input_ids"] for r in chunk]
+        encoded, _ = encode_examples(tokenizer, chunk, max_len)  # the prompts exactly as in training
+        prompts = [e.input_ids[:e.n_prompt] for e in encoded]
         out = ar_decode(model, prompts, max_new_tokens, eos, pad)
         for r, toks in zip(chunk, out.tokens):
             text = tokenizer.decode(toks, skip_special_tokens=False).split(IM_END, 1)[0]
