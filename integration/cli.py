@@ -219,6 +219,14 @@ def cmd_data_copy_warmup(args) -> int:
     return 0
 
 
+def cmd_data_retrace(args) -> int:
+    from reranker.retrace import retrace_data
+
+    out = retrace_data(args.data, args.out, style=args.style)
+    print(f"{out['style']} traces written to {out['out']}: " + ", ".join(f"{k} {v}" for k, v in out["examples"].items()))
+    return 0
+
+
 def cmd_sid_copy(args) -> int:
     from reranker.sid_copy import run_sid_copy
 
@@ -416,6 +424,12 @@ def build_parser() -> argparse.ArgumentParser:
     db.add_argument("--data", help="atomic data directory (overrides the config)")
     db.add_argument("--out", help="output directory (default <out>/rerank_data)")
     db.set_defaults(func=cmd_data_build)
+    dr = dsub.add_parser("retrace", help="a copy of a built data dir with its traces rewritten in another style")
+    dr.add_argument("--data", required=True, help="re-ranking data directory (dgr2 data build)")
+    dr.add_argument("--out", required=True, help="new data directory (SIDs, tokenizer and scorer are copied)")
+    dr.add_argument("--style", default="brief", choices=["brief"],
+                    help="brief: the decision sentence alone (see reranker/teachers/traces.py brief_trace)")
+    dr.set_defaults(func=cmd_data_retrace)
     dc = dsub.add_parser("copy-warmup", help="copy warm-up examples (copy_warmup.jsonl) from a built data dir")
     dc.add_argument("--data", required=True, help="re-ranking data directory (dgr2 data build)")
     dc.add_argument("--seed", type=int, default=0)

@@ -330,7 +330,7 @@ def build_rerank_data(retrieval_dir, items_path, out_dir, teacher: str = "rule",
                       n_selection_users: int = 1000, max_train_examples: int | None = None, seed: int = 0,
                       sid_config: Mapping | None = None, tokenizer_vocab: int = 2000, profile: str = "cpu",
                       max_prompt_tokens: int | None = 512, scorer_config: Mapping | None = None,
-                      teacher_folds: int = 2, scorer_lists: str = "valid_positions") -> dict:
+                      teacher_folds: int = 2, scorer_lists: str = "valid_positions", trace_style: str = "full") -> dict:
     """Build the re-ranking data set (see the module docstring); returns build_report.json's content
     plus ``wall_seconds`` (kept out of the file so builds stay byte-identical)."""
     t0 = time.time()
@@ -371,7 +371,7 @@ def build_rerank_data(retrieval_dir, items_path, out_dir, teacher: str = "rule",
     train_ex = [_example(train_rows[i], train_feats[i], **kw)
                 for i in tqdm(teach_idx, desc="train evidence", unit="ex", leave=False, mininterval=2.0)]
     valid_ex = [_example(r, f, **kw) for r, f in zip(valid_rows, _blocks(Xv, gv))]
-    writer = TraceWriter(sids, meta)
+    writer = TraceWriter(sids, meta, style=trace_style)
     teacher_obj = make_teacher(teacher, teacher_options, scorer=scorer, sids=sids, meta=meta, writer=writer, seed=seed)
     train_out = teacher_obj.teach_many(train_ex, desc="teaching train")
     valid_out = teacher_obj.teach_many(valid_ex, desc="teaching valid") if valid_ex else []
@@ -396,7 +396,7 @@ def build_rerank_data(retrieval_dir, items_path, out_dir, teacher: str = "rule",
     prompt_tokens = _prompt_token_stats(tok, out_rows)
     report = {
         "format": FORMAT, "n_candidates": len(train_rows[0]["candidates"]), "seed": seed, "profile": profile,
-        "teacher": teacher,
+        "teacher": teacher, "trace_style": trace_style,
         "splits": {
             "train": {"examples": len(out_rows["train"]), "lists_with_target": len(train_rows),
                       "from_crossfit": sum(r["source"] == "crossfit" for r in out_rows["train"]),

@@ -216,3 +216,46 @@ def test_serving_engine_renders_the_training_prompts(built, tmp_path):
     for r in rows:
         ids = engine.prompt_ids(RerankRequest(r["history"], r["candidates"], r["scores"], r["user"]))
         assert ids == engine._encode(r["prompt_messages"]), r["user"]
+
+
+def test_retrace_keeps_rankings_and_tokenizer_and_matches_a_brief_build(retrieval, built, tmp_path):
+    """`dgr2 data retrace --style brief` rewrites only the traces, and writes what a build with
+    trace_style="brief" writes (its reason is read back from the full trace)."""
+    from reranker.retrace import retrace_data
+
+    r, items = retrieval
+    out, _ = built
+    retrace_data(out, tmp_path / "brief", progress=False)
+    src, new = (load_split(out, "train") + load_split(out, "valid"),
+                load_split(tmp_path / "brief", "train") + load_split(tmp_path / "brief", "valid"))
+    assert len(src) == len(new) > 0
+    for a, b in zip(src, new):
+        assert (a["prompt_messages"], a["ranking"], a["candidate_sids"]) == (b["prompt_messages"], b["ranking"], b["candidate_sids"])
+        first = b["ranking"][0]
+        assert b["reasoning"].startswith(f"#{first + 1} first (")
+        assert f"): {b['candidate_sids'][first]}, then " in b["reasoning"]
+        assert len(b["reasoning"]) < len(a["reasoning"])
+        assert list(parse_ranking(b["assistant"], b["candidate_sids"]).permutation) == b["ranking"]
+    assert load_split(tmp_path / "brief", "test") == load_split(out, "test")
+    assert (tmp_path / "brief" / "tokenizer" / "tokenizer.json").read_bytes() == (out / "tokenizer" / "tokenizer.json").read_bytes()
+    info = json.loads((tmp_path / "brief" / "build_info.json").read_text())
+    assert (tmp_path / "brief" / info["retrieval_dir"]).resolve() == Path(r).resolve()
+
+    build_rerank_data(r, items, tmp_path / "built_brief", trace_style="brief", **BUILD)
+    fresh = load_split(tmp_path / "built_brief", "train") + load_split(tmp_path / "built_brief", "valid")
+    assert [x["reasoning"] for x in fresh] == [x["reasoning"] for x in new]
+
+
+def test_retrace_errors_name_the_line(built, tmp_path):
+    from reranker.retrace import retrace_data
+
+    out, _ = built
+    src = tmp_path / "src"
+    src.mkdir()
+    rows = load_split(out, "train")[:3]
+    rows[1] = {**rows[1], "reasoning": "an external LLM's own words"}
+    (src / "train.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    with pytest.raises(ValueError, match=r"train.jsonl:2: .*rule teacher"):
+        retrace_data(src, tmp_path / "dst", progress=False)
+    with pytest.raises(ValueError, match="must differ"):
+        retrace_data(out, out, progress=False)

@@ -276,3 +276,17 @@ def test_hf_llm_teacher_plumbing_with_tiny_random_model(world, tmp_path):
     assert split_reasoning("no markers") is None and split_reasoning("<think> </think>") is None
     ok = "<think>x</think>" + json.dumps({"ranking": exs[0].candidate_sids})
     assert parse_ranking(ok, exs[0].candidate_sids).ok
+
+
+def test_brief_trace_is_the_decision_with_the_full_traces_reason(world):
+    from reranker.retrace import why_of
+
+    full, brief = TraceWriter(world["sids"], world["meta"]), TraceWriter(world["sids"], world["meta"], style="brief")
+    for ex in world["examples"][:20]:
+        for k in (0, 3):
+            ranking = promote_then_input_order([k] + [i for i in range(10) if i != k], 1)
+            text = brief.write(ex.history, ex.candidates, ex.evidence, ranking, ex.shown_history, random.Random(0))
+            reason = why_of(full.write(ex.history, ex.candidates, ex.evidence, ranking, ex.shown_history, random.Random(0)))
+            assert text == f"#{k + 1} first ({reason}): {ex.candidate_sids[k]}, then the rest in retriever order."
+    with pytest.raises(ValueError, match="trace style 'long' unknown"):
+        TraceWriter(world["sids"], world["meta"], style="long")

@@ -55,6 +55,12 @@ _NO_COMPLEMENT = (
     "No candidate is co-bought right after it, so older items, brand and category decide.",
     "Nothing here is bought right after it; rely on earlier items, brand and category.",
 )
+# Every reason `_why_first` can give; `retrace` finds the one an existing trace used.
+WHY_FIRST = (
+    "strongest co-purchase after the last item", "co-bought after recent items", "brand and category fit",
+    "category fit", "brand loyalty", "the retriever's top choice", "a low-evidence pick",
+)
+TRACE_STYLES = ("full", "brief")
 _DECISION = (
     "Decision: {first} first ({why}), then {rest}.",
     "So {first} goes first ({why}), followed by {rest}.",
@@ -76,12 +82,15 @@ def _counted(counter: Counter, k: int) -> list[tuple[str, int]]:
 class TraceWriter:
     """Writes the reasoning text for a ranking; needs the SID map and item metadata."""
 
-    def __init__(self, sids, items_meta, cited: int = 3):
+    def __init__(self, sids, items_meta, cited: int = 3, style: str = "full"):
         if cited < 1:
             raise ValueError(f"cited must be >= 1, got {cited}")
+        if style not in TRACE_STYLES:
+            raise ValueError(f"trace style {style!r} unknown; choose from {list(TRACE_STYLES)}")
         self.sids = sids
         self.meta: Mapping[str, ItemMeta] = as_item_meta(items_meta)
         self.cited = int(cited)
+        self.style = style
 
     def _desc(self, item: str) -> str:
         m = self.meta.get(item, _EMPTY)
@@ -107,16 +116,19 @@ class TraceWriter:
         ev = evidence[first]
         after_last = [int(e.get("copurchase_after_last", 0)) for e in evidence]
         if after_last[first] > 0 and after_last[first] == max(after_last):
-            return "strongest co-purchase after the last item"
+            return WHY_FIRST[0]  # "strongest co-purchase after the last item"
         if int(ev.get("copurchase_max", 0)) > 0:
-            return "co-bought after recent items"
+            return WHY_FIRST[1]  # "co-bought after recent items"
         if int(ev.get("brand_match_count", 0)) and ev.get("leaf_category_match"):
-            return "brand and category fit"
+            return WHY_FIRST[2]  # "brand and category fit"
         if ev.get("leaf_category_match"):
-            return "category fit"
+            return WHY_FIRST[3]  # "category fit"
         if int(ev.get("brand_match_count", 0)):
-            return "brand loyalty"
-        return "the retriever's top choice" if first == 0 else "a low-evidence pick"
+            return WHY_FIRST[4]  # "brand loyalty"
+        return WHY_FIRST[5] if first == 0 else WHY_FIRST[6]
+
+    def rest_text(self, ranking: Sequence[int]) -> str:
+        return rest_text(ranking, self.cited)
 
     def write(self, history: Sequence[str], candidates: Sequence[str], evidence: Sequence[Mapping],
               ranking: Sequence[int], shown_history: int, rng: random.Random) -> str:
@@ -126,6 +138,10 @@ class TraceWriter:
             raise ValueError(f"ranking {list(ranking)} is not a permutation of {n} candidates")
         if len(evidence) != n:
             raise ValueError(f"{len(evidence)} evidence entries for {n} candidates")
+        if self.style == "brief":
+            first = int(ranking[0])
+            return brief_trace(self.sids.sid_string(candidates[first]), first, self._why_first(evidence, first),
+                               self.rest_text(ranking))
         shown = list(history)[-max(1, int(shown_history)):] if history else []
         sentences = []
 
@@ -163,17 +179,30 @@ class TraceWriter:
             sentences.append(f"{self.sids.sid_string(candidates[j])} (#{j + 1}): {self._evidence_text(evidence[j], rng)}.")
 
         # 4. Decision.
-        # Say exactly what the ranking does below its head: where it keeps the retriever order
-        # from some point on, say so (then the answer follows from the trace and the prompt).
-        tail_from = len(ranking)
-        while tail_from > 1 and sorted(ranking[tail_from - 1:]) == list(ranking[tail_from - 1:]):
-            tail_from -= 1
-        named = [f"#{int(j) + 1}" for j in ranking[1:min(tail_from, self.cited)]]
-        if tail_from <= self.cited:
-            rest_text = (", ".join(named) + ", then " if named else "") + "the rest in retriever order"
-        else:
-            rest = [f"#{j + 1}" for j in top[1:]]
-            rest_text = (", ".join(rest) + " and the rest by weaker evidence") if rest else "the rest"
         sentences.append(rng.choice(_DECISION).format(first=self.sids.sid_string(candidates[top[0]]),
-                                                     why=self._why_first(evidence, top[0]), rest=rest_text))
+                                                     why=self._why_first(evidence, top[0]),
+                                                     rest=self.rest_text(ranking)))
         return " ".join(sentences)
+
+
+def brief_trace(first_sid: str, first: int, why: str, rest: str) -> str:
+    """The one-sentence "brief" trace: the decision alone, "#k first (why): <sid>, then the rest in
+    retriever order." The candidate's number comes before its SID on purpose: the model makes the
+    choice as one token, then copies line k's SID from the prompt. Written SID-first, a small model
+    blends the codes of several likely candidates into one SID that is not a candidate (measured
+    on Beauty: nearly every invalid answer of the SID-first version failed in that first SID)."""
+    return f"#{first + 1} first ({why}): {first_sid}, then {rest}."
+
+
+def rest_text(ranking: Sequence[int], cited: int = 3) -> str:
+    """What the ranking does below its head, e.g. "#3, then the rest in retriever order"."""
+    # Where it keeps the retriever order from some point on, say so (then the answer follows from
+    # the trace and the prompt).
+    tail_from = len(ranking)
+    while tail_from > 1 and sorted(ranking[tail_from - 1:]) == list(ranking[tail_from - 1:]):
+        tail_from -= 1
+    named = [f"#{int(j) + 1}" for j in ranking[1:min(tail_from, cited)]]
+    if tail_from <= cited:
+        return (", ".join(named) + ", then " if named else "") + "the rest in retriever order"
+    rest = [f"#{int(j) + 1}" for j in ranking[1:cited]]
+    return (", ".join(rest) + " and the rest by weaker evidence") if rest else "the rest"

@@ -1,0 +1,102 @@
+"""`dgr2 data retrace`: a built data directory with its reasoning traces rewritten in another style.
+
+Rankings, prompts, SIDs and the tokenizer are kept, so a model trained on the source data can go on
+training on the copy; only ``reasoning`` and ``assistant`` change. A full rebuild with
+``rerank_data.trace_style`` gives the same traces but trains a new tokenizer on them.
+
+The "brief" trace needs the reason the full trace gave for its first item, which the writer took
+from evidence the data files do not store: it is read back from the full trace's decision
+sentence (one of ``WHY_FIRST``), so only template traces (the rule teacher's) can be retraced.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from candidate_gen.atomic import atomic_write_text
+
+from .prompt import render_assistant
+from .teachers.traces import TRACE_STYLES, WHY_FIRST, brief_trace, rest_text
+
+SPLITS = ("train", "valid", "test")
+COPIED = ("sids.json", "tokenizer", "scorer")
+
+
+def why_of(reasoning: str) -> str | None:
+    """The reason a full template trace gave for its first item (last mention wins), else None."""
+    found = [(reasoning.rfind(f"({w})"), w) for w in WHY_FIRST]
+    at, why = max(found)
+    return why if at >= 0 else None
+
+
+def retrace_row(row: dict, style: str) -> dict:
+    """``row`` with its trace in ``style``; rows without a teacher ranking (test) are returned as is."""
+    if row.get("ranking") is None:
+        return row
+    if style == "full":
+        raise ValueError("retrace can shorten template traces, not rebuild full ones; run `dgr2 data build`")
+    why = why_of(row.get("reasoning") or "")
+    if why is None:
+        raise ValueError(f"trace of user {row.get('user')!r} names none of the rule teacher's reasons; "
+                         "only template (rule teacher) traces can be retraced")
+    ranking = [int(i) for i in row["ranking"]]
+    sids = row["candidate_sids"]
+    reasoning = brief_trace(sids[ranking[0]], ranking[0], why, rest_text(ranking))
+    return {**row, "reasoning": reasoning, "assistant": render_assistant(reasoning, [sids[i] for i in ranking])}
+
+
+def _rebased(info: dict, src: Path, dst: Path) -> dict:
+    """build_info.json's paths are relative to its own directory: re-anchor them at ``dst``."""
+    out = dict(info)
+    for key in ("retrieval_dir", "items_path"):
+        if key in out:
+            out[key] = os.path.relpath((src / out[key]).resolve(), dst.resolve())
+    return out
+
+
+def retrace_data(src, dst, style: str = "brief", progress: bool = True) -> dict:
+    """Write ``dst``: ``src``'s splits with traces in ``style``, plus its SIDs, tokenizer and scorer."""
+    from tqdm.auto import tqdm
+
+    src, dst = Path(src), Path(dst)
+    if style not in TRACE_STYLES:
+        raise ValueError(f"trace style {style!r} unknown; choose from {list(TRACE_STYLES)}")
+    if not (src / "train.jsonl").is_file():
+        raise FileNotFoundError(f"{src}: no train.jsonl; build it with `dgr2 data build`")
+    if dst.resolve() == src.resolve():
+        raise ValueError(f"{dst}: the output must differ from the source data directory")
+    dst.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    for split in SPLITS:
+        path = src / f"{split}.jsonl"
+        if not path.is_file():
+            continue
+        rows = []
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(tqdm(f, desc=f"retrace {split}", unit="ex", disable=not progress), 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(retrace_row(json.loads(line), style))
+                except (ValueError, KeyError, IndexError, TypeError) as e:
+                    raise ValueError(f"{path}:{n}: {e}") from None
+        atomic_write_text(dst / f"{split}.jsonl", "".join(
+            json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n" for r in rows))
+        counts[split] = len(rows)
+    for name in COPIED:
+        s, d = src / name, dst / name
+        if s.is_dir():
+            shutil.copytree(s, d, dirs_exist_ok=True)
+        elif s.is_file():
+            shutil.copy2(s, d)
+    if (src / "build_info.json").is_file():
+        info = json.loads((src / "build_info.json").read_text(encoding="utf-8"))
+        atomic_write_text(dst / "build_info.json", json.dumps(_rebased(info, src, dst), indent=2))
+    report = json.loads((src / "build_report.json").read_text(encoding="utf-8")) \
+        if (src / "build_report.json").is_file() else {}
+    report.update({"trace_style": style, "retraced_from": os.path.relpath(src.resolve(), dst.resolve())})
+    report.pop("tokens", None)  # the assistant lengths changed; the prompt stats still hold but go with them
+    atomic_write_text(dst / "build_report.json", json.dumps(report, indent=2))
+    return {"out": str(dst), "style": style, "examples": counts}
