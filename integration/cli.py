@@ -167,10 +167,20 @@ def cmd_model_init(args) -> int:
     return 0
 
 
+def _json_arg(text: str, flag: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"{flag}: not valid JSON ({e.msg} at character {e.pos}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise SystemExit(f"{flag}: expected a JSON object of settings, got {text!r}")
+    return value
+
+
 def cmd_train(args) -> int:
     from reranker.stages.pipeline import run_stage
 
-    config = json.loads(args.config_json) if args.config_json else {}
+    config = _json_arg(args.config_json, "--config-json") if args.config_json else {}
     if args.config:
         cfg = load_config(args.config)
         config = {**(section(section(cfg, "stages"), args.stage)), **config}
@@ -200,9 +210,11 @@ def _data_paths(cfg: dict, data: str | None):
 def cmd_data_build(args) -> int:
     from reranker.dataset import build_rerank_data
 
+    override = _json_arg(args.config_json, "--config-json") if args.config_json else {}
     cfg = load_config(args.config)
     retrieval_dir, items, out = _data_paths(cfg, args.data)
     opts = {k: v for k, v in section(cfg, "rerank_data").items() if k != "items_path"}
+    opts.update(override)
     report = build_rerank_data(retrieval_dir, items, Path(args.out) if args.out else out,
                                seed=int(cfg.get("seed", 0)), **opts)
     print(json.dumps(report, indent=2, default=str))
@@ -423,6 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
     db.add_argument("--config", required=True)
     db.add_argument("--data", help="atomic data directory (overrides the config)")
     db.add_argument("--out", help="output directory (default <out>/rerank_data)")
+    db.add_argument("--config-json", help="rerank_data settings as JSON (override the YAML), e.g. "
+                    "'{\"trace_style\": \"brief\", \"tokenizer_from\": \"DIR\"}'")
     db.set_defaults(func=cmd_data_build)
     dr = dsub.add_parser("retrace", help="a copy of a built data dir with its traces rewritten in another style")
     dr.add_argument("--data", required=True, help="re-ranking data directory (dgr2 data build)")

@@ -161,7 +161,7 @@ def scorer_settings(options: Mapping | None, seed: int) -> ScorerConfig:
     return ScorerConfig(**{"seed": seed, **opts})
 
 
-_TEACHER_KEYS = {"rule": {"temperature", "max_tries", "promote"}, "jsonl": {"path", "max_tries"},
+_TEACHER_KEYS = {"rule": {"temperature", "max_tries", "promote", "rejection"}, "jsonl": {"path", "max_tries"},
                  "hf_llm": {"model_dir", "max_tries", "tries_per_batch", "temperature", "top_p", "max_new_tokens",
                             "profile", "device", "dtype"}}
 
@@ -175,7 +175,8 @@ def make_teacher(name: str, options: Mapping | None, *, scorer, sids, meta, writ
         raise ValueError(f"teacher_options for {name!r}: unknown key(s) {unknown}; known: {sorted(_TEACHER_KEYS[name])}")
     if name == "rule":
         return RuleTeacher(scorer, writer, temperature=opts.get("temperature", 1.0),
-                           max_tries=opts.get("max_tries", 8), seed=seed, promote=opts.get("promote", 1))
+                           max_tries=opts.get("max_tries", 8), seed=seed, promote=opts.get("promote", 1),
+                           rejection=opts.get("rejection", True))
     if name == "jsonl":
         from reranker.teachers.jsonl import JsonlTeacher
 
@@ -265,6 +266,21 @@ def _train_tokenizer(train_ex, train_out, sids, meta, profile: str, vocab: int):
     return build_tokenizer(corpus, vocab_size=vocab)
 
 
+def _reused_tokenizer(path, sids):
+    """A saved project tokenizer; it must hold every SID code token of this build."""
+    from reranker.tokenizer import load_tokenizer
+
+    if not (Path(path) / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"tokenizer_from: {path} holds no tokenizer.json")
+    tok = load_tokenizer(path)
+    vocab = tok.get_vocab()
+    codes = {c for item in sids.item_ids for c in re.findall(r"<[a-z]_\d+>", sids.sid_string(item))}
+    missing = sorted(c for c in codes if c not in vocab)
+    if missing:
+        raise ValueError(f"tokenizer_from: {path} lacks {len(missing)} SID code token(s) of this build, e.g. {missing[:3]}")
+    return tok
+
+
 class _Renderer:
     """Final prompts within the token budget and the output rows; counts trimmed prompts and the
     assistant token lengths of the train split."""
@@ -330,7 +346,8 @@ def build_rerank_data(retrieval_dir, items_path, out_dir, teacher: str = "rule",
                       n_selection_users: int = 1000, max_train_examples: int | None = None, seed: int = 0,
                       sid_config: Mapping | None = None, tokenizer_vocab: int = 2000, profile: str = "cpu",
                       max_prompt_tokens: int | None = 512, scorer_config: Mapping | None = None,
-                      teacher_folds: int = 2, scorer_lists: str = "valid_positions", trace_style: str = "full") -> dict:
+                      teacher_folds: int = 2, scorer_lists: str = "valid_positions", trace_style: str = "full",
+                      tokenizer_from: str | Path | None = None) -> dict:
     """Build the re-ranking data set (see the module docstring); returns build_report.json's content
     plus ``wall_seconds`` (kept out of the file so builds stay byte-identical)."""
     t0 = time.time()
@@ -376,8 +393,11 @@ def build_rerank_data(retrieval_dir, items_path, out_dir, teacher: str = "rule",
     train_out = teacher_obj.teach_many(train_ex, desc="teaching train")
     valid_out = teacher_obj.teach_many(valid_ex, desc="teaching valid") if valid_ex else []
 
-    # 5. Tokenizer on the train split only.
-    tok = _train_tokenizer(train_ex, train_out, sids, meta, profile, tokenizer_vocab)
+    # 5. Tokenizer on the train split only, or an existing one (new data for a trained model).
+    if tokenizer_from is not None:
+        tok = _reused_tokenizer(tokenizer_from, sids)
+    else:
+        tok = _train_tokenizer(train_ex, train_out, sids, meta, profile, tokenizer_vocab)
     _save_dir_atomically(lambda p: tok.save_pretrained(str(p)), out / "tokenizer")
 
     # 6. Final rows: prompts within the budget, assistant texts, targets.

@@ -259,3 +259,17 @@ def test_retrace_errors_name_the_line(built, tmp_path):
         retrace_data(src, tmp_path / "dst", progress=False)
     with pytest.raises(ValueError, match="must differ"):
         retrace_data(out, out, progress=False)
+
+
+def test_build_can_reuse_a_tokenizer_and_checks_it(retrieval, built, tmp_path):
+    """tokenizer_from: new data for an already trained model keeps its token ids (the prompts are
+    then those of the source build); a tokenizer without this build's SID codes is refused."""
+    r, items = retrieval
+    out, _ = built
+    build_rerank_data(r, items, tmp_path / "again", tokenizer_from=out / "tokenizer", trace_style="brief",
+                      teacher_options={"temperature": 0, "rejection": False}, **BUILD)
+    assert (tmp_path / "again" / "tokenizer" / "tokenizer.json").read_bytes() == (out / "tokenizer" / "tokenizer.json").read_bytes()
+    assert [x["prompt_messages"] for x in load_split(tmp_path / "again", "train")] == \
+        [x["prompt_messages"] for x in load_split(out, "train")]
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        build_rerank_data(r, items, tmp_path / "x", tokenizer_from=tmp_path, **BUILD)

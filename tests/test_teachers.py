@@ -290,3 +290,22 @@ def test_brief_trace_is_the_decision_with_the_full_traces_reason(world):
             assert text == f"#{k + 1} first ({reason}): {ex.candidate_sids[k]}, then the rest in retriever order."
     with pytest.raises(ValueError, match="trace style 'long' unknown"):
         TraceWriter(world["sids"], world["meta"], style="long")
+
+
+def test_rule_teacher_without_rejection_distills_the_scorers_choice(world, scorer):
+    """rejection=False: the answer is the scorer's own top item whatever the target; `accepted`
+    records whether it was right. The choice must not move when the target does."""
+    writer = TraceWriter(world["sids"], world["meta"], style="brief")
+    exs = world["examples"]
+    teacher = RuleTeacher(scorer, writer, temperature=0.0, seed=0, rejection=False)
+    outs = teacher.teach_many(exs)
+    scores = scorer.predict_lists([e.features for e in exs], [e.user for e in exs])
+    for o, e, s, (t, _) in zip(outs, exs, scores, world["labels_users"]):
+        assert o.ranking[0] == int(np.argmax(s)) and list(o.ranking[1:]) == sorted(o.ranking[1:])
+        assert o.accepted == (o.ranking[0] == t) and o.tries == 1 and not o.fallback
+        assert o.reasoning.startswith(f"#{o.ranking[0] + 1} first (")
+    assert 0 < sum(o.accepted for o in outs) < len(outs)
+    moved = [TeachExample(e.user, e.position, e.history, e.candidates, e.candidate_sids, e.scores, e.evidence,
+                          e.shown_history, Oracle((t + 1) % 10), e.features)
+             for e, (t, _) in zip(exs, world["labels_users"])]
+    assert [o.ranking for o in teacher.teach_many(moved)] == [o.ranking for o in outs]

@@ -211,7 +211,7 @@ class RuleTeacher(Teacher):
     name = "rule"
 
     def __init__(self, scorer: CrossFittedScorer | LtrScorer, writer: TraceWriter, temperature: float = 1.0,
-                 max_tries: int = 8, seed: int = 0, promote: int | None = 1):
+                 max_tries: int = 8, seed: int = 0, promote: int | None = 1, rejection: bool = True):
         self.scorer = scorer if isinstance(scorer, CrossFittedScorer) else CrossFittedScorer(scorer)
         # How many items of the accepted ranking go to the front; the rest keep the retriever
         # order. The Plackett-Luce tail below them is a random draw that nothing in the prompt or
@@ -221,6 +221,11 @@ class RuleTeacher(Teacher):
         if promote is not None and int(promote) < 1:
             raise ValueError(f"promote must be >= 1 or None, got {promote}")
         self.promote = None if promote is None else int(promote)
+        # rejection=False: the scorer's own proposal is the answer, right or wrong (distillation of
+        # the scorer). Its label is a function of the evidence, where an accepted sample's label is
+        # the target itself: on Beauty the "cpu" LM fitted to targets learned the prior of each
+        # position (#1 first ~40%) and nothing of the evidence in one epoch.
+        self.rejection = bool(rejection)
         self.writer = writer
         self.temperature = float(temperature)
         self.max_tries = int(max_tries)
@@ -230,6 +235,14 @@ class RuleTeacher(Teacher):
 
     def _teach_scored(self, ex: TeachExample, scores: np.ndarray) -> TeacherOutput:
         rng = np.random.default_rng(example_seed(self.seed, ex.user, ex.position))
+        if not self.rejection:
+            ranking = plackett_luce_sample(scores, self.temperature, rng)
+            if self.promote is not None:
+                ranking = promote_then_input_order(ranking, self.promote)
+            reasoning = self.writer.write(ex.history, ex.candidates, ex.evidence, ranking, ex.shown_history,
+                                          trace_rng(self.seed, ex.user, ex.position))
+            # `accepted` only records whether the proposal was right (the teacher's own hit rate).
+            return TeacherOutput(reasoning, tuple(ranking), ex.oracle.accept(ranking), 1, False, self.name)
         ranking, tries = rejection_sample(lambda _k: plackett_luce_sample(scores, self.temperature, rng),
                                           ex.oracle, self.max_tries)
         fallback = ranking is None
