@@ -52,11 +52,11 @@ from candidate_gen.split import train_sequences
 from reranker.evidence import candidates_evidence, item_meta_lookup
 from reranker.features import FeatureContext
 from reranker.prompt import PROFILES, render_assistant, render_prompt_messages, render_prompt_within_budget, response_token_types
-from reranker.sid import build_semantic_ids, content_embeddings
+from reranker.sid import SID_LETTERS, build_semantic_ids, content_embeddings
 from reranker.teachers.base import Oracle, TeachExample, TeacherOutput, teacher_stats
 from reranker.teachers.rule import RuleTeacher, ScorerConfig, fit_cross_fitted
 from reranker.teachers.traces import TraceWriter, trace_rng
-from reranker.tokenizer import build_tokenizer
+from reranker.tokenizer import build_tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 FORMAT = "diffusion-gr2/rerank-data/v1"
@@ -112,7 +112,8 @@ def _stats(values) -> dict:
             "max": int(v.max())}
 
 
-def _write_jsonl(path: Path, rows: Sequence[dict]) -> None:
+def write_jsonl(path: Path, rows: Sequence[dict]) -> None:
+    """One compact JSON object per line, written atomically (the format of every split file)."""
     atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n" for r in rows))
 
 
@@ -268,13 +269,11 @@ def _train_tokenizer(train_ex, train_out, sids, meta, profile: str, vocab: int):
 
 def _reused_tokenizer(path, sids):
     """A saved project tokenizer; it must hold every SID code token of this build."""
-    from reranker.tokenizer import load_tokenizer
-
     if not (Path(path) / "tokenizer.json").is_file():
         raise FileNotFoundError(f"tokenizer_from: {path} holds no tokenizer.json")
     tok = load_tokenizer(path)
     vocab = tok.get_vocab()
-    codes = {c for item in sids.item_ids for c in re.findall(r"<[a-z]_\d+>", sids.sid_string(item))}
+    codes = {f"<{letter}_{c}>" for item in sids.item_ids for letter, c in zip(SID_LETTERS, sids.codes(item))}
     missing = sorted(c for c in codes if c not in vocab)
     if missing:
         raise ValueError(f"tokenizer_from: {path} lacks {len(missing)} SID code token(s) of this build, e.g. {missing[:3]}")
@@ -410,7 +409,7 @@ def build_rerank_data(retrieval_dir, items_path, out_dir, teacher: str = "rule",
                  for r in tqdm(test_rows, desc="test rows", unit="ex", leave=False, mininterval=2.0)],
     }
     for split, rs in out_rows.items():
-        _write_jsonl(out / f"{split}.jsonl", rs)
+        write_jsonl(out / f"{split}.jsonl", rs)
 
     # 7. Report and build info.
     prompt_tokens = _prompt_token_stats(tok, out_rows)

@@ -17,8 +17,9 @@ from pathlib import Path
 
 from candidate_gen.atomic import atomic_write_text
 
+from .dataset import write_jsonl
 from .prompt import render_assistant
-from .teachers.traces import TRACE_STYLES, WHY_FIRST, brief_trace, rest_text
+from .teachers.traces import WHY_FIRST, brief_trace, rest_text
 
 SPLITS = ("train", "valid", "test")
 COPIED = ("sids.json", "tokenizer", "scorer")
@@ -31,12 +32,10 @@ def why_of(reasoning: str) -> str | None:
     return why if at >= 0 else None
 
 
-def retrace_row(row: dict, style: str) -> dict:
-    """``row`` with its trace in ``style``; rows without a teacher ranking (test) are returned as is."""
+def retrace_row(row: dict) -> dict:
+    """``row`` with a brief trace; rows without a teacher ranking (test) are returned as is."""
     if row.get("ranking") is None:
         return row
-    if style == "full":
-        raise ValueError("retrace can shorten template traces, not rebuild full ones; run `dgr2 data build`")
     why = why_of(row.get("reasoning") or "")
     if why is None:
         raise ValueError(f"trace of user {row.get('user')!r} names none of the rule teacher's reasons; "
@@ -61,8 +60,9 @@ def retrace_data(src, dst, style: str = "brief", progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
     src, dst = Path(src), Path(dst)
-    if style not in TRACE_STYLES:
-        raise ValueError(f"trace style {style!r} unknown; choose from {list(TRACE_STYLES)}")
+    if style != "brief":
+        raise ValueError(f"retrace writes brief traces only, got style {style!r}; "
+                         "a full trace needs `dgr2 data build`")
     if not (src / "train.jsonl").is_file():
         raise FileNotFoundError(f"{src}: no train.jsonl; build it with `dgr2 data build`")
     if dst.resolve() == src.resolve():
@@ -79,11 +79,10 @@ def retrace_data(src, dst, style: str = "brief", progress: bool = True) -> dict:
                 if not line.strip():
                     continue
                 try:
-                    rows.append(retrace_row(json.loads(line), style))
+                    rows.append(retrace_row(json.loads(line)))
                 except (ValueError, KeyError, IndexError, TypeError) as e:
                     raise ValueError(f"{path}:{n}: {e}") from None
-        atomic_write_text(dst / f"{split}.jsonl", "".join(
-            json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n" for r in rows))
+        write_jsonl(dst / f"{split}.jsonl", rows)
         counts[split] = len(rows)
     for name in COPIED:
         s, d = src / name, dst / name

@@ -235,24 +235,23 @@ class RuleTeacher(Teacher):
 
     def _teach_scored(self, ex: TeachExample, scores: np.ndarray) -> TeacherOutput:
         rng = np.random.default_rng(example_seed(self.seed, ex.user, ex.position))
-        if not self.rejection:
-            ranking = plackett_luce_sample(scores, self.temperature, rng)
-            if self.promote is not None:
-                ranking = promote_then_input_order(ranking, self.promote)
-            reasoning = self.writer.write(ex.history, ex.candidates, ex.evidence, ranking, ex.shown_history,
-                                          trace_rng(self.seed, ex.user, ex.position))
-            # `accepted` only records whether the proposal was right (the teacher's own hit rate).
-            return TeacherOutput(reasoning, tuple(ranking), ex.oracle.accept(ranking), 1, False, self.name)
-        ranking, tries = rejection_sample(lambda _k: plackett_luce_sample(scores, self.temperature, rng),
-                                          ex.oracle, self.max_tries)
-        fallback = ranking is None
-        if fallback:
-            ranking = ex.oracle.targeted(plackett_luce_sample(scores, 0.0, rng))
+        if self.rejection:
+            ranking, tries = rejection_sample(lambda _k: plackett_luce_sample(scores, self.temperature, rng),
+                                              ex.oracle, self.max_tries)
+            fallback = ranking is None
+            if fallback:
+                ranking = ex.oracle.targeted(plackett_luce_sample(scores, 0.0, rng))
+            accepted = not fallback
+        else:
+            # The first proposal is the answer; `accepted` only records whether it was right (the
+            # teacher's own hit rate). Promotion below keeps its first item.
+            ranking, tries, fallback = plackett_luce_sample(scores, self.temperature, rng), 1, False
+            accepted = ex.oracle.accept(ranking)
         if self.promote is not None:
             ranking = promote_then_input_order(ranking, self.promote)
         reasoning = self.writer.write(ex.history, ex.candidates, ex.evidence, ranking, ex.shown_history,
                                       trace_rng(self.seed, ex.user, ex.position))
-        return TeacherOutput(reasoning, tuple(ranking), not fallback, tries, fallback, self.name)
+        return TeacherOutput(reasoning, tuple(ranking), accepted, tries, fallback, self.name)
 
     def _check(self, ex: TeachExample) -> None:
         if ex.features is None:

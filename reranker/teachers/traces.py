@@ -127,9 +127,6 @@ class TraceWriter:
             return WHY_FIRST[4]  # "brand loyalty"
         return WHY_FIRST[5] if first == 0 else WHY_FIRST[6]
 
-    def rest_text(self, ranking: Sequence[int]) -> str:
-        return rest_text(ranking, self.cited)
-
     def write(self, history: Sequence[str], candidates: Sequence[str], evidence: Sequence[Mapping],
               ranking: Sequence[int], shown_history: int, rng: random.Random) -> str:
         """Reasoning for ``ranking`` (candidate indices, best first) of ``candidates``."""
@@ -141,7 +138,7 @@ class TraceWriter:
         if self.style == "brief":
             first = int(ranking[0])
             return brief_trace(self.sids.sid_string(candidates[first]), first, self._why_first(evidence, first),
-                               self.rest_text(ranking))
+                               rest_text(ranking, self.cited))
         shown = list(history)[-max(1, int(shown_history)):] if history else []
         sentences = []
 
@@ -181,7 +178,7 @@ class TraceWriter:
         # 4. Decision.
         sentences.append(rng.choice(_DECISION).format(first=self.sids.sid_string(candidates[top[0]]),
                                                      why=self._why_first(evidence, top[0]),
-                                                     rest=self.rest_text(ranking)))
+                                                     rest=rest_text(ranking, self.cited)))
         return " ".join(sentences)
 
 
