@@ -83,6 +83,31 @@ def format_evidence(ev: Mapping) -> str:
     )
 
 
+_EVIDENCE_LINE = re.compile(
+    r"^(\d+)\.\S.*; ?cobought ([\d/]+); brand (\d+); category (yes|no)$", re.M)
+
+
+def parse_candidate_evidence(user_text: str, n_candidates: int) -> list[dict]:
+    """The evidence ``format_evidence`` wrote on each candidate line of a rendered prompt, in
+    candidate order: {"copurchase_recent": [...], "brand_match_count": n, "leaf_category_match": b}.
+
+    For data files, which store the prompt but not the evidence dicts. Raises ValueError naming
+    what is missing when the prompt has no evidence line for some candidate.
+    """
+    found = {}
+    for m in _EVIDENCE_LINE.finditer(user_text):
+        found[int(m.group(1))] = {
+            "copurchase_recent": [int(x) for x in m.group(2).split("/") if x != ""],
+            "brand_match_count": int(m.group(3)),
+            "leaf_category_match": m.group(4) == "yes",
+        }
+    missing = [k for k in range(1, n_candidates + 1) if k not in found]
+    if missing:
+        raise ValueError(f"prompt has no evidence (\"cobought ...; brand ...; category ...\") on candidate "
+                         f"line(s) {missing[:5]}; was it rendered with evidence?")
+    return [found[k] for k in range(1, n_candidates + 1)]
+
+
 def evidence_legend(window: int = 1) -> str:
     """Stated once per prompt so each candidate line can stay terse."""
     after = "right after" if window == 1 else f"within {window} purchases after"

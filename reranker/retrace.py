@@ -4,6 +4,15 @@ Rankings, prompts, SIDs and the tokenizer are kept, so a model trained on the so
 training on the copy; only ``reasoning`` and ``assistant`` change. A full rebuild with
 ``rerank_data.trace_style`` gives the same traces but trains a new tokenizer on them.
 
+Two styles:
+
+* "brief" keeps each ranking and writes its decision sentence alone.
+* "scan" replaces the ranking too: the co-purchase scan of ``scan_trace`` (each candidate's count
+  of purchases right after the user's last item, with a running best), then the decision for the
+  scan's pick, the rest in retriever order. Its labels are a function of the prompt (read back
+  from the prompt's evidence lines), not the held-out target, so the model is taught to use the
+  evidence rather than the target's position prior.
+
 The "brief" trace needs the reason the full trace gave for its first item, which the writer took
 from evidence the data files do not store: it is read back from the full trace's decision
 sentence (one of ``WHY_FIRST``), so only template traces (the rule teacher's) can be retraced.
@@ -18,10 +27,11 @@ from pathlib import Path
 from candidate_gen.atomic import atomic_write_text
 
 from .dataset import write_jsonl
-from .prompt import render_assistant
-from .teachers.traces import WHY_FIRST, brief_trace, rest_text
+from .prompt import parse_candidate_evidence, render_assistant
+from .teachers.traces import WHY_FIRST, brief_trace, rest_text, scan_trace
 
 SPLITS = ("train", "valid", "test")
+RETRACE_STYLES = ("brief", "scan")
 COPIED = ("sids.json", "tokenizer", "scorer")
 
 
@@ -32,16 +42,22 @@ def why_of(reasoning: str) -> str | None:
     return why if at >= 0 else None
 
 
-def retrace_row(row: dict) -> dict:
-    """``row`` with a brief trace; rows without a teacher ranking (test) are returned as is."""
+def retrace_row(row: dict, style: str = "brief") -> dict:
+    """``row`` with a ``style`` trace; rows without a teacher ranking (test) are returned as is."""
     if row.get("ranking") is None:
         return row
+    sids = row["candidate_sids"]
+    if style == "scan":
+        user_text = next(m["content"] for m in row["prompt_messages"] if m["role"] == "user")
+        last = [(ev["copurchase_recent"] or [0])[0] for ev in parse_candidate_evidence(user_text, len(sids))]
+        reasoning, ranking = scan_trace(sids, last)
+        return {**row, "ranking": ranking, "reasoning": reasoning,
+                "assistant": render_assistant(reasoning, [sids[i] for i in ranking])}
     why = why_of(row.get("reasoning") or "")
     if why is None:
         raise ValueError(f"trace of user {row.get('user')!r} names none of the rule teacher's reasons; "
                          "only template (rule teacher) traces can be retraced")
     ranking = [int(i) for i in row["ranking"]]
-    sids = row["candidate_sids"]
     reasoning = brief_trace(sids[ranking[0]], ranking[0], why, rest_text(ranking))
     return {**row, "reasoning": reasoning, "assistant": render_assistant(reasoning, [sids[i] for i in ranking])}
 
@@ -60,8 +76,8 @@ def retrace_data(src, dst, style: str = "brief", progress: bool = True) -> dict:
     from tqdm.auto import tqdm
 
     src, dst = Path(src), Path(dst)
-    if style != "brief":
-        raise ValueError(f"retrace writes brief traces only, got style {style!r}; "
+    if style not in RETRACE_STYLES:
+        raise ValueError(f"retrace writes one of {RETRACE_STYLES}, got style {style!r}; "
                          "a full trace needs `dgr2 data build`")
     if not (src / "train.jsonl").is_file():
         raise FileNotFoundError(f"{src}: no train.jsonl; build it with `dgr2 data build`")
@@ -79,8 +95,8 @@ def retrace_data(src, dst, style: str = "brief", progress: bool = True) -> dict:
                 if not line.strip():
                     continue
                 try:
-                    rows.append(retrace_row(json.loads(line)))
-                except (ValueError, KeyError, IndexError, TypeError) as e:
+                    rows.append(retrace_row(json.loads(line), style))
+                except (ValueError, KeyError, IndexError, TypeError, StopIteration) as e:
                     raise ValueError(f"{path}:{n}: {e}") from None
         write_jsonl(dst / f"{split}.jsonl", rows)
         counts[split] = len(rows)

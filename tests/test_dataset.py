@@ -273,3 +273,31 @@ def test_build_can_reuse_a_tokenizer_and_checks_it(retrieval, built, tmp_path):
         [x["prompt_messages"] for x in load_split(out, "train")]
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         build_rerank_data(r, items, tmp_path / "x", tokenizer_from=tmp_path, **BUILD)
+
+
+def test_scan_retrace_picks_the_copurchase_baselines_head(retrieval, built, tmp_path):
+    """`dgr2 data retrace --style scan`: the label is the co-purchase-after-last rule's head, read
+    back from the prompt; checked against the baseline computed from the training counts."""
+    from candidate_gen.atomic import load_items
+    from reranker.baselines import baseline_permutations
+    from reranker.dataset import load_retrieval
+    from reranker.evidence import item_meta_lookup
+    from reranker.features import FeatureContext
+    from reranker.retrace import retrace_data
+
+    r, items = retrieval
+    out, _ = built
+    retrace_data(out, tmp_path / "scan", style="scan", progress=False)
+    rows = load_split(tmp_path / "scan", "train") + load_split(tmp_path / "scan", "valid")
+    seqs, _ = load_retrieval(r)
+    ctx = FeatureContext(train_sequences(seqs), item_meta_lookup(load_items(items).to_frame()))
+    heads = [p[0] for p in baseline_permutations(rows, ctx, None)["copurchase_last"]]
+    assert [x["ranking"][0] for x in rows] == heads
+    assert any(h != 0 for h in heads)  # the tiny catalog has co-purchase evidence to follow
+    for x in rows:
+        assert x["ranking"][1:] == sorted(x["ranking"][1:])
+        assert x["reasoning"].startswith("After the last item: #1 ")
+        assert list(parse_ranking(x["assistant"], x["candidate_sids"]).permutation) == x["ranking"]
+    assert load_split(tmp_path / "scan", "test") == load_split(out, "test")
+    with pytest.raises(ValueError, match="retrace writes one of"):
+        retrace_data(out, tmp_path / "x", style="long", progress=False)

@@ -309,3 +309,38 @@ def test_rule_teacher_without_rejection_distills_the_scorers_choice(world, score
                           e.shown_history, Oracle((t + 1) % 10), e.features)
              for e, (t, _) in zip(exs, world["labels_users"])]
     assert [o.ranking for o in teacher.teach_many(moved)] == [o.ranking for o in outs]
+
+
+def test_copurchase_scan_marks_each_new_best_and_picks_the_first_largest():
+    from reranker.teachers.traces import copurchase_scan, scan_trace
+
+    line, first = copurchase_scan([1, 3, 1, 0, 3, 4, 4])
+    assert line == "After the last item: #1 1+ #2 3+ #3 1 #4 0 #5 3 #6 4+ #7 4."
+    assert first == 5
+    assert copurchase_scan([0, 0, 0]) == ("After the last item: #1 0+ #2 0 #3 0.", 0)
+    sids = [f"<s{i}>" for i in range(4)]
+    trace, ranking = scan_trace(sids, [0, 2, 5, 1])
+    assert ranking == [2, 0, 1, 3]
+    assert trace.splitlines()[1] == ("#3 first (strongest co-purchase after the last item): <s2>, "
+                                     "then the rest in retriever order.")
+    assert "(the retriever's top choice): <s0>" in scan_trace(sids, [0, 0, 0, 0])[0]
+    with pytest.raises(ValueError, match="4 candidates but 3"):
+        scan_trace(sids, [1, 2, 3])
+    with pytest.raises(ValueError, match="at least one"):
+        copurchase_scan([])
+
+
+def test_candidate_evidence_parses_back_from_a_rendered_prompt(world):
+    from reranker.prompt import parse_candidate_evidence, render_prompt_messages
+
+    ids = list(world["items"]["item_id"])
+    hist, cands = ids[:3], ids[3:9]
+    rng = random.Random(0)
+    evidence = [{"copurchase_recent": [rng.randrange(30), rng.randrange(3), 0], "brand_match_count": rng.randrange(4),
+                 "leaf_category_match": bool(rng.randrange(2))} for _ in cands]
+    msgs = render_prompt_messages(hist, cands, world["sids"], world["meta"], evidence)
+    user = next(m["content"] for m in msgs if m["role"] == "user")
+    assert parse_candidate_evidence(user, len(cands)) == evidence
+    without = render_prompt_messages(hist, cands, world["sids"], world["meta"], None)
+    with pytest.raises(ValueError, match=r"no evidence .* line\(s\) \[1, 2, 3, 4, 5\]"):
+        parse_candidate_evidence(next(m["content"] for m in without if m["role"] == "user"), len(cands))

@@ -191,6 +191,45 @@ def brief_trace(first_sid: str, first: int, why: str, rest: str) -> str:
     return f"#{first + 1} first ({why}): {first_sid}, then {rest}."
 
 
+SCAN_HEAD = "After the last item:"
+
+
+def copurchase_scan(last_counts: Sequence[int]) -> tuple[str, int]:
+    """The "scan" trace's evidence line and the candidate it picks.
+
+    It walks the candidates in retriever order writing how often other users bought each one right
+    after the user's last item (the first "cobought" number of its prompt line), and marks with "+"
+    each candidate that beats the best so far: "After the last item: #1 2+ #2 1 #3 5+ #4 0.". The
+    pick is the last "+" (the first of the largest counts). Why a running best and not just the
+    pick: choosing the largest of ten numbers in one token is an argmax over the whole prompt, which
+    a small model trained on the target's position never learned (it kept the retriever's #1); each
+    step here is a copy (line k's count) and one comparison with the latest "+", both local.
+    """
+    if not len(last_counts):
+        raise ValueError("copurchase_scan needs at least one candidate")
+    best, parts = 0, []
+    for k, n in enumerate(int(c) for c in last_counts):
+        beats = k == 0 or n > int(last_counts[best])
+        if beats:
+            best = k
+        parts.append(f"#{k + 1} {n}{'+' if beats else ''}")
+    return f"{SCAN_HEAD} {' '.join(parts)}.", best
+
+
+def scan_trace(candidate_sids: Sequence[str], last_counts: Sequence[int]) -> tuple[str, list[int]]:
+    """(trace, ranking) of the "scan" style: the co-purchase scan line, then the brief decision.
+
+    The ranking is the scan's pick first, the rest in retriever order: the trace and the answer are
+    one deterministic function of the prompt's evidence (the co-purchase-after-last rule's head).
+    """
+    if len(candidate_sids) != len(last_counts):
+        raise ValueError(f"{len(candidate_sids)} candidates but {len(last_counts)} co-purchase counts")
+    line, first = copurchase_scan(last_counts)
+    ranking = [first] + [j for j in range(len(candidate_sids)) if j != first]
+    why = "strongest co-purchase after the last item" if int(last_counts[first]) > 0 else "the retriever's top choice"
+    return f"{line}\n{brief_trace(candidate_sids[first], first, why, rest_text(ranking))}", ranking
+
+
 def rest_text(ranking: Sequence[int], cited: int = 3) -> str:
     """What the ranking does below its head, e.g. "#3, then the rest in retriever order"."""
     # Where it keeps the retriever order from some point on, say so (then the answer follows from
