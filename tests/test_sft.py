@@ -176,3 +176,29 @@ def test_warmup_cosine_schedule():
     assert ramp == sorted(ramp) and 0 < ramp[0] < ramp[3] < 1 and ramp[4] == pytest.approx(1.0)
     decay = [f(s) for s in range(4, 21)]
     assert decay == sorted(decay, reverse=True) and decay[-1] == pytest.approx(0.1) and f(100) == pytest.approx(0.1)
+
+
+def test_train_file_list_is_a_mix(world, tmp_path):
+    """A list of train files pools their records (a file listed twice counts twice); the stage
+    runs on it and its data log counts the pooled examples."""
+    from reranker.stages.pipeline import run_stage
+    from reranker.stages.sft import read_train_records
+    from reranker.training.logging import read_metrics
+
+    init, data = world
+    extra = tmp_path / "extra.jsonl"
+    extra.write_text((data / "valid.jsonl").read_text())
+    one = read_train_records(data, "train.jsonl")
+    mix = read_train_records(data, ["train.jsonl", str(extra), str(extra)])
+    assert len(one) == 8 and len(mix) == 8 + 2 * 4 and mix[:8] == one and mix[8:12] == mix[12:]
+    assert len(read_train_records(data, ["train.jsonl", str(extra)], limit=10)) == 10
+    with pytest.raises(ValueError, match="non-empty list"):
+        read_train_records(data, [])
+    with pytest.raises(ValueError, match="expected file paths"):
+        read_train_records(data, ["train.jsonl", 3])
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        read_train_records(data, ["train.jsonl", "nope.jsonl"])
+    s = run_stage("sft", init, tmp_path / "sft", data, {**FAST, "epochs": 1, "train_file": ["train.jsonl", str(extra)]},
+                  run_dir=tmp_path / "run", progress=False, device="cpu")
+    assert s["status"] == "done" and s["optimizer_steps"] == 12 // 4
+    assert [r["examples"] for r in read_metrics(tmp_path / "run", "data")] == [12]

@@ -33,7 +33,9 @@ from reranker.training.loop import after_step, finish, scheduled_batches
 from reranker.training.schedule import build_optimizer, build_scheduler, warmup_steps_from
 
 DEFAULTS = {
-    "train_file": "train.jsonl",  # relative to the data dir
+    # Relative to the data dir (or absolute). A list is a mix: the files' records are pooled and
+    # shuffled together each epoch; list a file twice to weight it twice.
+    "train_file": "train.jsonl",
     "valid_file": "valid.jsonl",  # null or missing file: no validation, the last model is the output
     "max_train_examples": None,
     "max_valid_examples": None,
@@ -72,6 +74,20 @@ def check_config(cfg: dict) -> None:
                          "reasoning; set allow_lambda_r_above_lambda_o: true to do this on purpose")
     if int(cfg["batch_size"]) < 1 or int(cfg["epochs"]) < 0:
         raise ValueError("batch_size must be >= 1 and epochs >= 0")
+
+
+def read_train_records(data_dir: Path, train_file, limit: int | None = None) -> list[dict]:
+    """The records of ``train_file`` (one path or a list of paths, each relative to ``data_dir``)
+    in file order; ``limit`` caps the pooled count."""
+    files = [train_file] if isinstance(train_file, (str, Path)) else list(train_file or [])
+    if not files:
+        raise ValueError("train_file: give a file or a non-empty list of files")
+    records: list[dict] = []
+    for f in files:
+        if not isinstance(f, (str, Path)):
+            raise ValueError(f"train_file: expected file paths, got {f!r}")
+        records += read_jsonl(data_dir / f)
+    return records[:limit] if limit is not None else records
 
 
 def accumulation(cfg: dict, world_size: int) -> tuple[int, int]:
@@ -140,7 +156,7 @@ def train_sft(ctx: StageContext) -> StageResult:
     lam_r, lam_o = float(cfg["lambda_r"]), float(cfg["lambda_o"])
 
     data_dir = Path(ctx.data_dir) if ctx.data_dir is not None else Path(".")
-    train_records = read_jsonl(data_dir / cfg["train_file"], cfg["max_train_examples"])
+    train_records = read_train_records(data_dir, cfg["train_file"], cfg["max_train_examples"])
     train, train_stats = encode_examples(tok, train_records, max_len)
     valid = []
     if cfg["valid_file"] and (data_dir / cfg["valid_file"]).is_file():
