@@ -441,9 +441,10 @@ def build_parser() -> argparse.ArgumentParser:
     dr = dsub.add_parser("retrace", help="a copy of a built data dir with its traces rewritten in another style")
     dr.add_argument("--data", required=True, help="re-ranking data directory (dgr2 data build)")
     dr.add_argument("--out", required=True, help="new data directory (SIDs, tokenizer and scorer are copied)")
-    dr.add_argument("--style", default="brief", choices=["brief", "scan"],
+    dr.add_argument("--style", default="brief", choices=["brief", "scan", "scan_recent"],
                     help="brief: the decision sentence alone, same rankings; scan: a co-purchase scan "
-                    "then the decision, rankings replaced by the scan's pick first (see "
+                    "then the decision, rankings replaced by the scan's pick first; scan_recent: the same over "
+                    "the counts after the last 3 items (see "
                     "reranker/teachers/traces.py brief_trace, scan_trace)")
     dr.set_defaults(func=cmd_data_retrace)
     dc = dsub.add_parser("copy-warmup", help="copy warm-up examples (copy_warmup.jsonl) from a built data dir")

@@ -12,6 +12,8 @@ Two styles:
   scan's pick, the rest in retriever order. Its labels are a function of the prompt (read back
   from the prompt's evidence lines), not the held-out target, so the model is taught to use the
   evidence rather than the target's position prior.
+* "scan_recent": the same with the counts after each of the last 3 items ("2/0/1", newest first),
+  compared in that order (a tie after the last item is broken by the one before).
 
 The "brief" trace needs the reason the full trace gave for its first item, which the writer took
 from evidence the data files do not store: it is read back from the full trace's decision
@@ -28,10 +30,10 @@ from candidate_gen.atomic import atomic_write_text
 
 from .dataset import write_jsonl
 from .prompt import parse_candidate_evidence, render_assistant
-from .teachers.traces import WHY_FIRST, brief_trace, rest_text, scan_trace
+from .teachers.traces import SCAN_HEADS, WHY_FIRST, brief_trace, rest_text, scan_trace
 
 SPLITS = ("train", "valid", "test")
-RETRACE_STYLES = ("brief", "scan")
+RETRACE_STYLES = ("brief", "scan", "scan_recent")
 COPIED = ("sids.json", "tokenizer", "scorer")
 
 
@@ -47,10 +49,13 @@ def retrace_row(row: dict, style: str = "brief") -> dict:
     if row.get("ranking") is None:
         return row
     sids = row["candidate_sids"]
-    if style == "scan":
+    if style in ("scan", "scan_recent"):
         user_text = next(m["content"] for m in row["prompt_messages"] if m["role"] == "user")
-        last = [(ev["copurchase_recent"] or [0])[0] for ev in parse_candidate_evidence(user_text, len(sids))]
-        reasoning, ranking = scan_trace(sids, last)
+        recent = [ev["copurchase_recent"] or [0] for ev in parse_candidate_evidence(user_text, len(sids))]
+        if style == "scan":
+            reasoning, ranking = scan_trace(sids, [c[0] for c in recent])
+        else:
+            reasoning, ranking = scan_trace(sids, [tuple(c) for c in recent], SCAN_HEADS["recent"])
         return {**row, "ranking": ranking, "reasoning": reasoning,
                 "assistant": render_assistant(reasoning, [sids[i] for i in ranking])}
     why = why_of(row.get("reasoning") or "")

@@ -282,7 +282,7 @@ def test_scan_retrace_picks_the_copurchase_baselines_head(retrieval, built, tmp_
     from reranker.baselines import baseline_permutations
     from reranker.dataset import load_retrieval
     from reranker.evidence import item_meta_lookup
-    from reranker.features import FeatureContext
+    from reranker.features import FEATURE_NAMES, FeatureContext
     from reranker.retrace import retrace_data
 
     r, items = retrieval
@@ -299,5 +299,18 @@ def test_scan_retrace_picks_the_copurchase_baselines_head(retrieval, built, tmp_
         assert x["reasoning"].startswith("After the last item: #1 ")
         assert list(parse_ranking(x["assistant"], x["candidate_sids"]).permutation) == x["ranking"]
     assert load_split(tmp_path / "scan", "test") == load_split(out, "test")
+
+    # scan_recent: the head of the (after last, second-to-last, third-to-last) lexicographic order
+    retrace_data(out, tmp_path / "scan_recent", style="scan_recent", progress=False)
+    rows = load_split(tmp_path / "scan_recent", "train") + load_split(tmp_path / "scan_recent", "valid")
+    X, groups = ctx.featurize(rows, desc="features")
+    cols = [FEATURE_NAMES.index(f"copurchase_last{i}") for i in (1, 2, 3)]
+    at = 0
+    for x, n in zip(rows, groups):
+        keys = [tuple(X[at + j, cols]) for j in range(n)]
+        at += n
+        assert x["ranking"][0] == max(range(n), key=lambda j: (keys[j], -j))
+        assert x["reasoning"].startswith("After the last items, newest first: #1 ")
+    assert sum(x["ranking"][0] != h for x, h in zip(rows, heads)) > 0  # it differs from the last-item scan somewhere
     with pytest.raises(ValueError, match="retrace writes one of"):
         retrace_data(out, tmp_path / "x", style="long", progress=False)

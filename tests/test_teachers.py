@@ -326,6 +326,10 @@ def test_copurchase_scan_marks_each_new_best_and_picks_the_first_largest():
     assert "(the retriever's top choice): <s0>" in scan_trace(sids, [0, 0, 0, 0])[0]
     with pytest.raises(ValueError, match="4 candidates but 3"):
         scan_trace(sids, [1, 2, 3])
+    # tuples (counts after the last items, newest first) compare in that order
+    line, first = copurchase_scan([(1, 0, 4), (1, 2, 0), (0, 9, 9), (1, 2, 0)], "H:")
+    assert (line, first) == ("H: #1 1/0/4+ #2 1/2/0+ #3 0/9/9 #4 1/2/0.", 1)
+    assert "#2 first (co-bought after recent items)" in scan_trace(sids, [(0, 0), (0, 3), (0, 1), (0, 0)])[0]
     with pytest.raises(ValueError, match="at least one"):
         copurchase_scan([])
 

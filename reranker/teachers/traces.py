@@ -191,42 +191,54 @@ def brief_trace(first_sid: str, first: int, why: str, rest: str) -> str:
     return f"#{first + 1} first ({why}): {first_sid}, then {rest}."
 
 
-SCAN_HEAD = "After the last item:"
+SCAN_HEADS = {"last": "After the last item:", "recent": "After the last items, newest first:"}
 
 
-def copurchase_scan(last_counts: Sequence[int]) -> tuple[str, int]:
+def _count_text(c) -> str:
+    return "/".join(str(int(x)) for x in c) if isinstance(c, (tuple, list)) else str(int(c))
+
+
+def _count_key(c) -> tuple:
+    return tuple(int(x) for x in c) if isinstance(c, (tuple, list)) else (int(c),)
+
+
+def copurchase_scan(counts: Sequence, head: str = SCAN_HEADS["last"]) -> tuple[str, int]:
     """The "scan" trace's evidence line and the candidate it picks.
 
-    It walks the candidates in retriever order writing how often other users bought each one right
-    after the user's last item (the first "cobought" number of its prompt line), and marks with "+"
-    each candidate that beats the best so far: "After the last item: #1 2+ #2 1 #3 5+ #4 0.". The
-    pick is the last "+" (the first of the largest counts). Why a running best and not just the
-    pick: choosing the largest of ten numbers in one token is an argmax over the whole prompt, which
-    a small model trained on the target's position never learned (it kept the retriever's #1); each
+    It walks the candidates in retriever order writing each one's co-purchase evidence (a count, or
+    a tuple such as the counts after the last 3 items, "2/0/1", compared newest first) and marks
+    with "+" each candidate that beats the best so far: "After the last item: #1 2+ #2 1 #3 5+ #4 0.".
+    The pick is the last "+" (the first of the largest). Why a running best and not just the pick:
+    choosing the largest of ten numbers in one token is an argmax over the whole prompt, which a
+    small model trained on the target's position never learned (it kept the retriever's #1); each
     step here is a copy (line k's count) and one comparison with the latest "+", both local.
     """
-    if not len(last_counts):
+    if not len(counts):
         raise ValueError("copurchase_scan needs at least one candidate")
+    keys = [_count_key(c) for c in counts]
     best, parts = 0, []
-    for k, n in enumerate(int(c) for c in last_counts):
-        beats = k == 0 or n > int(last_counts[best])
+    for k, c in enumerate(counts):
+        beats = k == 0 or keys[k] > keys[best]
         if beats:
             best = k
-        parts.append(f"#{k + 1} {n}{'+' if beats else ''}")
-    return f"{SCAN_HEAD} {' '.join(parts)}.", best
+        parts.append(f"#{k + 1} {_count_text(c)}{'+' if beats else ''}")
+    return f"{head} {' '.join(parts)}.", best
 
 
-def scan_trace(candidate_sids: Sequence[str], last_counts: Sequence[int]) -> tuple[str, list[int]]:
+def scan_trace(candidate_sids: Sequence[str], counts: Sequence, head: str = SCAN_HEADS["last"]) -> tuple[str, list[int]]:
     """(trace, ranking) of the "scan" style: the co-purchase scan line, then the brief decision.
 
     The ranking is the scan's pick first, the rest in retriever order: the trace and the answer are
-    one deterministic function of the prompt's evidence (the co-purchase-after-last rule's head).
+    one deterministic function of the prompt's evidence (with single counts after the last item,
+    the co-purchase-after-last rule's head).
     """
-    if len(candidate_sids) != len(last_counts):
-        raise ValueError(f"{len(candidate_sids)} candidates but {len(last_counts)} co-purchase counts")
-    line, first = copurchase_scan(last_counts)
+    if len(candidate_sids) != len(counts):
+        raise ValueError(f"{len(candidate_sids)} candidates but {len(counts)} co-purchase counts")
+    line, first = copurchase_scan(counts, head)
     ranking = [first] + [j for j in range(len(candidate_sids)) if j != first]
-    why = "strongest co-purchase after the last item" if int(last_counts[first]) > 0 else "the retriever's top choice"
+    key = _count_key(counts[first])
+    why = ("strongest co-purchase after the last item" if key[0] > 0 else
+           "co-bought after recent items" if any(key) else "the retriever's top choice")
     return f"{line}\n{brief_trace(candidate_sids[first], first, why, rest_text(ranking))}", ranking
 
 
