@@ -349,6 +349,8 @@ def build_rerank_data(retrieval_dir, items_path, out_dir, teacher: str = "rule",
                       tokenizer_from: str | Path | None = None) -> dict:
     """Build the re-ranking data set (see the module docstring); returns build_report.json's content
     plus ``wall_seconds`` (kept out of the file so builds stay byte-identical)."""
+    from reranker.retrace import RULE_LABEL_STYLES, retrace_row  # retrace imports this module
+
     t0 = time.time()
     retrieval_dir, out = Path(retrieval_dir), Path(out_dir)
     if profile not in PROFILES:
@@ -387,7 +389,10 @@ def build_rerank_data(retrieval_dir, items_path, out_dir, teacher: str = "rule",
     train_ex = [_example(train_rows[i], train_feats[i], **kw)
                 for i in tqdm(teach_idx, desc="train evidence", unit="ex", leave=False, mininterval=2.0)]
     valid_ex = [_example(r, f, **kw) for r, f in zip(valid_rows, _blocks(Xv, gv))]
-    writer = TraceWriter(sids, meta, style=trace_style)
+    # The scan styles replace the teacher's ranking with a rule of the prompt's evidence: teach with
+    # brief traces, then rewrite the taught rows exactly as `dgr2 data retrace` does (step 6).
+    relabel = trace_style in RULE_LABEL_STYLES
+    writer = TraceWriter(sids, meta, style="brief" if relabel else trace_style)
     teacher_obj = make_teacher(teacher, teacher_options, scorer=scorer, sids=sids, meta=meta, writer=writer, seed=seed)
     train_out = teacher_obj.teach_many(train_ex, desc="teaching train")
     valid_out = teacher_obj.teach_many(valid_ex, desc="teaching valid") if valid_ex else []
@@ -408,11 +413,21 @@ def build_rerank_data(retrieval_dir, items_path, out_dir, teacher: str = "rule",
         "test": [render.test(r, ctx.copurchase)
                  for r in tqdm(test_rows, desc="test rows", unit="ex", leave=False, mininterval=2.0)],
     }
+    if relabel:
+        for split in ("train", "valid"):
+            out_rows[split] = [retrace_row(r, trace_style) for r in out_rows[split]]
     for split, rs in out_rows.items():
         write_jsonl(out / f"{split}.jsonl", rs)
 
     # 7. Report and build info.
     prompt_tokens = _prompt_token_stats(tok, out_rows)
+    if relabel:  # the response lengths counted while rendering were those of the brief traces
+        render.tokens = {"reasoning": [], "answer": [], "assistant": []}
+        for r in out_rows["train"]:
+            types = response_token_types(tok, r["assistant"])
+            for kind in ("reasoning", "answer"):
+                render.tokens[kind].append(types.count(kind))
+            render.tokens["assistant"].append(len(types))
     report = {
         "format": FORMAT, "n_candidates": len(train_rows[0]["candidates"]), "seed": seed, "profile": profile,
         "teacher": teacher, "trace_style": trace_style,

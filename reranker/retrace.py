@@ -33,7 +33,8 @@ from .prompt import parse_candidate_evidence, render_assistant
 from .teachers.traces import SCAN_HEADS, WHY_FIRST, brief_trace, rest_text, scan_trace
 
 SPLITS = ("train", "valid", "test")
-RETRACE_STYLES = ("brief", "scan", "scan_recent")
+RULE_LABEL_STYLES = ("scan", "scan_recent")  # styles whose ranking is a rule of the prompt, not the teacher's
+RETRACE_STYLES = ("brief",) + RULE_LABEL_STYLES
 COPIED = ("sids.json", "tokenizer", "scorer")
 
 

@@ -312,5 +312,12 @@ def test_scan_retrace_picks_the_copurchase_baselines_head(retrieval, built, tmp_
         assert x["ranking"][0] == max(range(n), key=lambda j: (keys[j], -j))
         assert x["reasoning"].startswith("After the last items, newest first: #1 ")
     assert sum(x["ranking"][0] != h for x, h in zip(rows, heads)) > 0  # it differs from the last-item scan somewhere
+
+    # a build with trace_style="scan" writes the same rows (its tokenizer is trained on brief traces)
+    report = build_rerank_data(r, items, tmp_path / "built_scan", trace_style="scan", **BUILD)
+    fresh = load_split(tmp_path / "built_scan", "train") + load_split(tmp_path / "built_scan", "valid")
+    scanned = load_split(tmp_path / "scan", "train") + load_split(tmp_path / "scan", "valid")
+    assert [(x["ranking"], x["reasoning"]) for x in fresh] == [(x["ranking"], x["reasoning"]) for x in scanned]
+    assert report["trace_style"] == "scan" and report["tokens"]["reasoning"]["mean"] > 30
     with pytest.raises(ValueError, match="retrace writes one of"):
         retrace_data(out, tmp_path / "x", style="long", progress=False)
