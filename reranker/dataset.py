@@ -284,8 +284,10 @@ class _Renderer:
     """Final prompts within the token budget and the output rows; counts trimmed prompts and the
     assistant token lengths of the train split."""
 
-    def __init__(self, tok, sids, meta, writer: TraceWriter, profile: str, max_prompt_tokens, seed: int):
+    def __init__(self, tok, sids, meta, writer: TraceWriter, profile: str, max_prompt_tokens, seed: int,
+                 relabel: str | None = None):
         self.tok, self.sids, self.meta, self.writer = tok, sids, meta, writer
+        self.relabel = relabel  # a RULE_LABEL_STYLES style: each taught row is rewritten as retrace does
         self.profile, self.max_prompt_tokens, self.seed = profile, max_prompt_tokens, seed
         self.max_hist = PROFILES[profile].max_history
         self.trimmed = 0
@@ -309,12 +311,17 @@ class _Renderer:
             reasoning = self.writer.write(e.history, e.candidates, e.evidence, o.ranking, shown,
                                           trace_rng(self.seed, e.user, e.position))
         assistant = render_assistant(reasoning, [e.candidate_sids[i] for i in o.ranking])
+        row = _row(split, src, e.candidate_sids, messages, assistant, reasoning, o)
+        if self.relabel:
+            from reranker.retrace import retrace_row  # retrace imports this module
+
+            row = retrace_row(row, self.relabel)
         if split == "train":
-            types = response_token_types(self.tok, assistant)
+            types = response_token_types(self.tok, row["assistant"])
             self.tokens["reasoning"].append(types.count("reasoning"))
             self.tokens["answer"].append(types.count("answer"))
             self.tokens["assistant"].append(len(types))
-        return _row(split, src, e.candidate_sids, messages, assistant, reasoning, o)
+        return row
 
     def test(self, src: Mapping, copurchase) -> dict:
         ev = candidates_evidence(src["history"], src["candidates"], self.meta, copurchase, src["user"])
@@ -349,7 +356,7 @@ def build_rerank_data(retrieval_dir, items_path, out_dir, teacher: str = "rule",
                       tokenizer_from: str | Path | None = None) -> dict:
     """Build the re-ranking data set (see the module docstring); returns build_report.json's content
     plus ``wall_seconds`` (kept out of the file so builds stay byte-identical)."""
-    from reranker.retrace import RULE_LABEL_STYLES, retrace_row  # retrace imports this module
+    from reranker.retrace import RULE_LABEL_STYLES  # retrace imports this module
 
     t0 = time.time()
     retrieval_dir, out = Path(retrieval_dir), Path(out_dir)
@@ -390,7 +397,7 @@ def build_rerank_data(retrieval_dir, items_path, out_dir, teacher: str = "rule",
                 for i in tqdm(teach_idx, desc="train evidence", unit="ex", leave=False, mininterval=2.0)]
     valid_ex = [_example(r, f, **kw) for r, f in zip(valid_rows, _blocks(Xv, gv))]
     # The scan styles replace the teacher's ranking with a rule of the prompt's evidence: teach with
-    # brief traces, then rewrite the taught rows exactly as `dgr2 data retrace` does (step 6).
+    # brief traces; the renderer rewrites each taught row exactly as `dgr2 data retrace` does (step 6).
     relabel = trace_style in RULE_LABEL_STYLES
     writer = TraceWriter(sids, meta, style="brief" if relabel else trace_style)
     teacher_obj = make_teacher(teacher, teacher_options, scorer=scorer, sids=sids, meta=meta, writer=writer, seed=seed)
@@ -405,7 +412,7 @@ def build_rerank_data(retrieval_dir, items_path, out_dir, teacher: str = "rule",
     _save_dir_atomically(lambda p: tok.save_pretrained(str(p)), out / "tokenizer")
 
     # 6. Final rows: prompts within the budget, assistant texts, targets.
-    render = _Renderer(tok, sids, meta, writer, profile, max_prompt_tokens, seed)
+    render = _Renderer(tok, sids, meta, writer, profile, max_prompt_tokens, seed, trace_style if relabel else None)
     out_rows = {
         "train": [render.taught("train", train_rows[i], e, o) for i, e, o in
                   tqdm(list(zip(teach_idx, train_ex, train_out)), desc="train rows", unit="ex", leave=False, mininterval=2.0)],
@@ -413,21 +420,11 @@ def build_rerank_data(retrieval_dir, items_path, out_dir, teacher: str = "rule",
         "test": [render.test(r, ctx.copurchase)
                  for r in tqdm(test_rows, desc="test rows", unit="ex", leave=False, mininterval=2.0)],
     }
-    if relabel:
-        for split in ("train", "valid"):
-            out_rows[split] = [retrace_row(r, trace_style) for r in out_rows[split]]
     for split, rs in out_rows.items():
         write_jsonl(out / f"{split}.jsonl", rs)
 
     # 7. Report and build info.
     prompt_tokens = _prompt_token_stats(tok, out_rows)
-    if relabel:  # the response lengths counted while rendering were those of the brief traces
-        render.tokens = {"reasoning": [], "answer": [], "assistant": []}
-        for r in out_rows["train"]:
-            types = response_token_types(tok, r["assistant"])
-            for kind in ("reasoning", "answer"):
-                render.tokens[kind].append(types.count(kind))
-            render.tokens["assistant"].append(len(types))
     report = {
         "format": FORMAT, "n_candidates": len(train_rows[0]["candidates"]), "seed": seed, "profile": profile,
         "teacher": teacher, "trace_style": trace_style,

@@ -45,27 +45,33 @@ def why_of(reasoning: str) -> str | None:
     return why if at >= 0 else None
 
 
+def _user_text(row: dict) -> str:
+    for m in row.get("prompt_messages") or []:
+        if m.get("role") == "user":
+            return m["content"]
+    raise ValueError("field 'prompt_messages': no user message")
+
+
 def retrace_row(row: dict, style: str = "brief") -> dict:
     """``row`` with a ``style`` trace; rows without a teacher ranking (test) are returned as is."""
     if row.get("ranking") is None:
         return row
     sids = row["candidate_sids"]
-    if style in ("scan", "scan_recent"):
-        user_text = next(m["content"] for m in row["prompt_messages"] if m["role"] == "user")
-        recent = [ev["copurchase_recent"] or [0] for ev in parse_candidate_evidence(user_text, len(sids))]
+    if style in RULE_LABEL_STYLES:
+        recent = [ev["copurchase_recent"] or [0] for ev in parse_candidate_evidence(_user_text(row), len(sids))]
         if style == "scan":
             reasoning, ranking = scan_trace(sids, [c[0] for c in recent])
         else:
             reasoning, ranking = scan_trace(sids, [tuple(c) for c in recent], SCAN_HEADS["recent"])
-        return {**row, "ranking": ranking, "reasoning": reasoning,
-                "assistant": render_assistant(reasoning, [sids[i] for i in ranking])}
-    why = why_of(row.get("reasoning") or "")
-    if why is None:
-        raise ValueError(f"trace of user {row.get('user')!r} names none of the rule teacher's reasons; "
-                         "only template (rule teacher) traces can be retraced")
-    ranking = [int(i) for i in row["ranking"]]
-    reasoning = brief_trace(sids[ranking[0]], ranking[0], why, rest_text(ranking))
-    return {**row, "reasoning": reasoning, "assistant": render_assistant(reasoning, [sids[i] for i in ranking])}
+    else:
+        why = why_of(row.get("reasoning") or "")
+        if why is None:
+            raise ValueError(f"trace of user {row.get('user')!r} names none of the rule teacher's reasons; "
+                             "only template (rule teacher) traces can be retraced")
+        ranking = [int(i) for i in row["ranking"]]
+        reasoning = brief_trace(sids[ranking[0]], ranking[0], why, rest_text(ranking))
+    return {**row, "ranking": ranking, "reasoning": reasoning,
+            "assistant": render_assistant(reasoning, [sids[i] for i in ranking])}
 
 
 def _rebased(info: dict, src: Path, dst: Path) -> dict:
@@ -102,7 +108,7 @@ def retrace_data(src, dst, style: str = "brief", progress: bool = True) -> dict:
                     continue
                 try:
                     rows.append(retrace_row(json.loads(line), style))
-                except (ValueError, KeyError, IndexError, TypeError, StopIteration) as e:
+                except (ValueError, KeyError, IndexError, TypeError) as e:
                     raise ValueError(f"{path}:{n}: {e}") from None
         write_jsonl(dst / f"{split}.jsonl", rows)
         counts[split] = len(rows)

@@ -194,11 +194,8 @@ def brief_trace(first_sid: str, first: int, why: str, rest: str) -> str:
 SCAN_HEADS = {"last": "After the last item:", "recent": "After the last items, newest first:"}
 
 
-def _count_text(c) -> str:
-    return "/".join(str(int(x)) for x in c) if isinstance(c, (tuple, list)) else str(int(c))
-
-
 def _count_key(c) -> tuple:
+    """A count or a tuple of counts as a tuple of ints (compared, and written "a/b/c")."""
     return tuple(int(x) for x in c) if isinstance(c, (tuple, list)) else (int(c),)
 
 
@@ -217,11 +214,11 @@ def copurchase_scan(counts: Sequence, head: str = SCAN_HEADS["last"]) -> tuple[s
         raise ValueError("copurchase_scan needs at least one candidate")
     keys = [_count_key(c) for c in counts]
     best, parts = 0, []
-    for k, c in enumerate(counts):
-        beats = k == 0 or keys[k] > keys[best]
+    for k, key in enumerate(keys):
+        beats = k == 0 or key > keys[best]
         if beats:
             best = k
-        parts.append(f"#{k + 1} {_count_text(c)}{'+' if beats else ''}")
+        parts.append(f"#{k + 1} {'/'.join(map(str, key))}{'+' if beats else ''}")
     return f"{head} {' '.join(parts)}.", best
 
 
