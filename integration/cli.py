@@ -226,7 +226,8 @@ def cmd_data_copy_warmup(args) -> int:
 
     out = build_copy_warmup(args.data, args.out_name, seed=args.seed, limit=args.limit, source=args.source,
                             full_prompt=args.full_prompt, random_sids=args.random_sids, out_path=args.out,
-                            straight=args.straight)
+                            straight=args.straight, trace_style=args.trace_style,
+                            relabel_last_code=args.relabel_last_code)
     print(f"copy warm-up examples written to {out}")
     return 0
 
@@ -441,10 +442,11 @@ def build_parser() -> argparse.ArgumentParser:
     dr = dsub.add_parser("retrace", help="a copy of a built data dir with its traces rewritten in another style")
     dr.add_argument("--data", required=True, help="re-ranking data directory (dgr2 data build)")
     dr.add_argument("--out", required=True, help="new data directory (SIDs, tokenizer and scorer are copied)")
-    dr.add_argument("--style", default="brief", choices=["brief", "scan", "scan_recent"],
+    dr.add_argument("--style", default="brief", choices=["brief", "scan", "scan_recent", "scan_brand"],
                     help="brief: the decision sentence alone, same rankings; scan: a co-purchase scan "
                     "then the decision, rankings replaced by the scan's pick first; scan_recent: the same over "
-                    "the counts after the last 3 items (see "
+                    "the counts after the last 3 items; scan_brand: scan_recent with "
+                    "same-brand history counts breaking ties (see "
                     "reranker/teachers/traces.py brief_trace, scan_trace)")
     dr.set_defaults(func=cmd_data_retrace)
     dc = dsub.add_parser("copy-warmup", help="copy warm-up examples (copy_warmup.jsonl) from a built data dir")
@@ -460,6 +462,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keep each list's real prompt (history, evidence) instead of a short list of SIDs")
     dc.add_argument("--random-sids", action="store_true",
                     help="relabel every SID at random: the model must copy, it cannot recall the catalogue")
+    dc.add_argument("--relabel-last-code", action="store_true",
+                    help="with --random-sids: draw the dedup (last) code too, so rare dedup tokens get copied")
+    dc.add_argument("--trace-style", choices=["scan", "scan_recent", "scan_brand"],
+                    help="answer each real prompt with this rule-scan trace and pick (as retrace does) "
+                    "instead of the 'put #k first' copy task")
     dc.set_defaults(func=cmd_data_copy_warmup)
     bl = sub.add_parser("baselines", help="retriever order, random, co-purchase sort, learned scorer (with CIs)")
     bl.add_argument("--config", required=True)

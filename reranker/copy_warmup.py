@@ -31,32 +31,43 @@ from pathlib import Path
 
 from candidate_gen.atomic import atomic_write_text, read_jsonl
 
+from .prompt import render_assistant
 from .sid import SID_CODEBOOK, SID_RE, format_sid
 
 SYSTEM = "Copy the candidates."
 
 
-def relabel_sids(record: dict, rng: random.Random) -> dict:
+def relabel_sids(record: dict, rng: random.Random, last_codes: int | None = None) -> dict:
     """`record` (prompt_messages + assistant) with every SID replaced by a random one: the same
     SID always maps to the same new SID, and SIDs sharing a prefix (first code, first two, first
     three) map to SIDs sharing the same prefix, so the prompt keeps its structure and only the
-    codes change. Randomness comes from `rng`, so the result is seeded."""
+    codes change. Randomness comes from `rng`, so the result is seeded.
+
+    The last (dedup) code is kept unless `last_codes` is given; then it is drawn from
+    range(last_codes) too. Why: the dedup code is 0 for most items (Beauty: 9,650 of 12,101) and
+    its high values label a handful of items each, so those tokens are almost never copied in
+    training, and the model's invalid answers were nearly all such a code miscopied (<d_27> written
+    as <d_22>). Drawn uniformly, every dedup token is copied as often as any other."""
     prefix: dict[tuple, int] = {}
 
-    def new_code(key: tuple) -> int:
+    def new_code(key: tuple, size: int = SID_CODEBOOK) -> int:
         if key not in prefix:
-            prefix[key] = rng.randrange(SID_CODEBOOK)
+            prefix[key] = rng.randrange(size)
         return prefix[key]
 
     owner: dict[str, str] = {}  # new SID -> the SID it replaces: two SIDs must never merge
 
     def sub(m: re.Match) -> str:
         a, b, c, d = m.groups()
-        while True:
-            sid = format_sid((new_code((a,)), new_code((a, b)), new_code((a, b, c)), d))  # d deduplicates: keep it
+        for _ in range(10_000):
+            last = d if last_codes is None else new_code((a, b, c, d), last_codes)
+            sid = format_sid((new_code((a,)), new_code((a, b)), new_code((a, b, c)), last))
             if owner.setdefault(sid, m.group(0)) == m.group(0):
                 return sid
-            del prefix[(a, b, c)]  # collided with another SID's relabelling: draw its third code again
+            # collided with another SID's relabelling: draw its own code again (the dedup code when
+            # it is drawn, else the third)
+            del prefix[(a, b, c) if last_codes is None else (a, b, c, d)]
+        raise ValueError(f"relabel_sids: no free code for {m.group(0)} (last_codes={last_codes} too small?)")
 
     messages = [{**m, "content": SID_RE.sub(sub, m["content"])} for m in record["prompt_messages"]]
     out = {**record, "prompt_messages": messages, "assistant": SID_RE.sub(sub, record["assistant"])}
@@ -121,16 +132,48 @@ def straight_copy_lists(n: int, seed: int = 0, n_sids: int = 10) -> list[dict]:
     return out
 
 
+def scan_copy_example(record: dict, style: str) -> dict:
+    """A real re-ranking list (prompt unchanged) answered by a rule-scan trace style (`retrace`'s
+    RULE_LABEL_STYLES): relabelled with `relabel_sids`, it teaches copying in the exact format the
+    model is trained and served with."""
+    from .retrace import rule_scan  # retrace imports the dataset module, which is heavy
+
+    sids = [str(s) for s in record["candidate_sids"]]
+    user = next((m["content"] for m in record["prompt_messages"] if m.get("role") == "user"), None)
+    if user is None:
+        raise ValueError(f"list of user {record.get('user')!r}: field 'prompt_messages' has no user message")
+    trace, ranking = rule_scan(user, sids, style)
+    return {"prompt_messages": [dict(m) for m in record["prompt_messages"]],
+            "assistant": render_assistant(trace, [sids[j] for j in ranking])}
+
+
+def _last_codebook(data_dir: Path) -> int:
+    """The size of the last (dedup) SID level of a data dir, from its sids.json."""
+    path = data_dir / "sids.json"
+    try:
+        sizes = json.loads(path.read_text())["meta"]["codebook_sizes"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path}: cannot read meta.codebook_sizes ({err})") from None
+    if not sizes or not 1 <= int(sizes[-1]) <= SID_CODEBOOK:
+        raise ValueError(f"{path}: meta.codebook_sizes {sizes!r} has no last level in 1..{SID_CODEBOOK}")
+    return int(sizes[-1])
+
+
 def build_copy_warmup(data_dir, out_name: str = "copy_warmup.jsonl", seed: int = 0, limit: int | None = None,
                       source: str = "train.jsonl", full_prompt: bool = False, random_sids: bool = False,
-                      out_path=None, straight: int | None = None) -> Path:
+                      out_path=None, straight: int | None = None, trace_style: str | None = None,
+                      relabel_last_code: bool = False) -> Path:
     """Write <data_dir>/<out_name>: one warm-up example per list of <data_dir>/<source>
     (train.jsonl for training; valid.jsonl gives held-out examples for the SID-copy diagnostic).
     full_prompt: keep the list's real prompt (retriever order, history and evidence) instead of a
     short shuffled list of SIDs. random_sids: relabel every SID at random (`relabel_sids`), so the
     examples test and teach copying, not the catalogue. out_path: write there instead (held-out probe
     files belong outside the data dir, whose fingerprint covers every top-level JSONL file).
-    straight: write that many `straight_copy_lists` records instead (no source lists are read)."""
+    straight: write that many `straight_copy_lists` records instead (no source lists are read).
+    trace_style: a rule-scan style ("scan", "scan_recent", "scan_brand"): keep each real prompt and
+    answer it with that style's trace and pick (`scan_copy_example`) instead of "put #k first".
+    relabel_last_code: with random_sids, draw the dedup code too, uniformly over the data's own
+    last codebook (sids.json), so rare dedup tokens are copied as often as common ones."""
     data_dir = Path(data_dir)
     out = Path(out_path) if out_path is not None else data_dir / out_name
     if straight is not None:
@@ -139,19 +182,30 @@ def build_copy_warmup(data_dir, out_name: str = "copy_warmup.jsonl", seed: int =
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in straight_copy_lists(straight, seed)))
         return out
-    required = {"candidate_sids": list, "prompt_messages": list} if full_prompt else {"candidate_sids": list}
+    if trace_style is not None:
+        from .retrace import RULE_LABEL_STYLES
+
+        if trace_style not in RULE_LABEL_STYLES:
+            raise ValueError(f"trace_style must be one of {RULE_LABEL_STYLES}, got {trace_style!r}")
+    if relabel_last_code and not random_sids:
+        raise ValueError("relabel_last_code needs random_sids (it relabels the dedup code of random SIDs)")
+    last_codes = _last_codebook(data_dir) if relabel_last_code else None
+    required = ({"candidate_sids": list, "prompt_messages": list} if full_prompt or trace_style
+                else {"candidate_sids": list})
     rows = read_jsonl(data_dir / source, required, limit)
     rng = random.Random(seed)
     lines = []
     for row in rows:
-        if full_prompt:
+        if trace_style is not None:
+            rec = scan_copy_example(row, trace_style)
+        elif full_prompt:
             rec = full_prompt_copy_example(row, rng.randrange(len(row["candidate_sids"])))
         else:
             sids = [str(s) for s in row["candidate_sids"]]
             rng.shuffle(sids)
             rec = copy_example(sids, rng.randrange(len(sids)))
         if random_sids:
-            rec = relabel_sids(rec, rng)
+            rec = relabel_sids(rec, rng, last_codes)
         lines.append(json.dumps(rec, ensure_ascii=False))
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, "\n".join(lines) + "\n")

@@ -14,6 +14,10 @@ Two styles:
   evidence rather than the target's position prior.
 * "scan_recent": the same with the counts after each of the last 3 items ("2/0/1", newest first),
   compared in that order (a tie after the last item is broken by the one before).
+* "scan_brand": "scan_recent" with each candidate's same-brand history count written after its
+  counts ("2/0/1 b3") and compared last. Chosen on the Beauty training lists, where it is the
+  best rule of those tried (right on 0.3707 of them, against 0.3674 for "scan_recent" and 0.3648
+  for "scan").
 
 The "brief" trace needs the reason the full trace gave for its first item, which the writer took
 from evidence the data files do not store: it is read back from the full trace's decision
@@ -33,7 +37,7 @@ from .prompt import parse_candidate_evidence, render_assistant
 from .teachers.traces import SCAN_HEADS, WHY_FIRST, brief_trace, rest_text, scan_trace
 
 SPLITS = ("train", "valid", "test")
-RULE_LABEL_STYLES = ("scan", "scan_recent")  # styles whose ranking is a rule of the prompt, not the teacher's
+RULE_LABEL_STYLES = ("scan", "scan_recent", "scan_brand")  # styles whose ranking is a rule of the prompt, not the teacher's
 RETRACE_STYLES = ("brief",) + RULE_LABEL_STYLES
 COPIED = ("sids.json", "tokenizer", "scorer")
 
@@ -52,17 +56,27 @@ def _user_text(row: dict) -> str:
     raise ValueError("field 'prompt_messages': no user message")
 
 
+def rule_scan(user_text: str, sids, style: str) -> tuple[str, list[int]]:
+    """(trace, ranking) of a RULE_LABEL_STYLES style, from the evidence lines of a rendered prompt."""
+    evidence = parse_candidate_evidence(user_text, len(sids))
+    recent = [ev["copurchase_recent"] or [0] for ev in evidence]
+    if style == "scan":
+        return scan_trace(sids, [c[0] for c in recent])
+    if style == "scan_recent":
+        return scan_trace(sids, [tuple(c) for c in recent], SCAN_HEADS["recent"])
+    if style == "scan_brand":
+        return scan_trace(sids, [tuple(c) for c in recent], SCAN_HEADS["recent_brand"],
+                          [ev["brand_match_count"] for ev in evidence])
+    raise ValueError(f"rule_scan writes one of {RULE_LABEL_STYLES}, got style {style!r}")
+
+
 def retrace_row(row: dict, style: str = "brief") -> dict:
     """``row`` with a ``style`` trace; rows without a teacher ranking (test) are returned as is."""
     if row.get("ranking") is None:
         return row
     sids = row["candidate_sids"]
     if style in RULE_LABEL_STYLES:
-        recent = [ev["copurchase_recent"] or [0] for ev in parse_candidate_evidence(_user_text(row), len(sids))]
-        if style == "scan":
-            reasoning, ranking = scan_trace(sids, [c[0] for c in recent])
-        else:
-            reasoning, ranking = scan_trace(sids, [tuple(c) for c in recent], SCAN_HEADS["recent"])
+        reasoning, ranking = rule_scan(_user_text(row), sids, style)
     else:
         why = why_of(row.get("reasoning") or "")
         if why is None:

@@ -134,3 +134,42 @@ def test_straight_copy_lists_copy_verbatim_share_prefixes_and_do_not_depend_on_t
     assert [json.loads(x) for x in out.read_text().splitlines()] == straight_copy_lists(3, seed=1)
     with pytest.raises(ValueError, match="straight"):
         build_copy_warmup(tmp_path, straight=0)
+
+
+def test_scan_traced_copies_with_relabelled_dedup_codes(tmp_path):
+    """--trace-style answers the real prompt with the rule scan (here candidate #4 has the most
+    co-purchases); --relabel-last-code draws the dedup code too, within the data's last codebook."""
+    import re
+
+    sids = [f"<|sid_begin|><a_5><b_5><c_5><d_{i}><|sid_end|>" for i in range(10)]  # one prefix, ten dedup codes
+    evidence = ["cobought 0/0; brand 0; category no"] * 10
+    evidence[3] = "cobought 2/0; brand 0; category yes"
+    user = ("History (oldest first, 1 of 1):\nh\nCandidates (retriever order).\n"
+            + "\n".join(f"{i + 1}.{s} Cat, Brand; {e}" for i, (s, e) in enumerate(zip(sids, evidence)))
+            + "\nRank all 10 candidates.")
+    row = {"candidate_sids": sids, "assistant": "x",
+           "prompt_messages": [{"role": "system", "content": "Re-rank."}, {"role": "user", "content": user}]}
+    (tmp_path / "train.jsonl").write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n")
+    (tmp_path / "sids.json").write_text(json.dumps({"meta": {"codebook_sizes": [256, 256, 256, 12]}}))
+    plain = json.loads(build_copy_warmup(tmp_path, trace_style="scan_brand").read_text().splitlines()[0])
+    assert plain["prompt_messages"] == row["prompt_messages"]
+    assert plain["assistant"].startswith("<think>\nAfter the last items, newest first, then brand: #1 0/0 b0+")
+    assert parse_ranking(plain["assistant"], sids).permutation == (3, 0, 1, 2, 4, 5, 6, 7, 8, 9)
+
+    recs = [json.loads(x) for x in build_copy_warmup(tmp_path, trace_style="scan_brand", random_sids=True,
+                                                      relabel_last_code=True, seed=5).read_text().splitlines()]
+    for rec in recs:
+        new = re.findall(r"\d+\.(<\|sid_begin\|>.*?<\|sid_end\|>)", rec["prompt_messages"][1]["content"])
+        assert len(set(new)) == 10 and not set(new) & set(sids)
+        assert parse_ranking(rec["assistant"], new).permutation == (3, 0, 1, 2, 4, 5, 6, 7, 8, 9)
+        assert all(int(d) < 12 for d in re.findall(r"<d_(\d+)>", rec["assistant"]))
+    dedup = [re.findall(r"\d+\.<\|sid_begin\|>.*?<d_(\d+)>", r["prompt_messages"][1]["content"]) for r in recs]
+    assert len(dedup[0]) == 10 and dedup[0] != dedup[1] and dedup[0] != [str(i) for i in range(10)]  # drawn, not kept
+
+    with pytest.raises(ValueError, match="relabel_last_code needs random_sids"):
+        build_copy_warmup(tmp_path, relabel_last_code=True)
+    with pytest.raises(ValueError, match="trace_style must be one of"):
+        build_copy_warmup(tmp_path, trace_style="brief")
+    (tmp_path / "sids.json").write_text("{}")
+    with pytest.raises(ValueError, match="sids.json: cannot read meta.codebook_sizes"):
+        build_copy_warmup(tmp_path, random_sids=True, relabel_last_code=True)

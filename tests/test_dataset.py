@@ -312,6 +312,20 @@ def test_scan_retrace_picks_the_copurchase_baselines_head(retrieval, built, tmp_
         assert x["ranking"][0] == max(range(n), key=lambda j: (keys[j], -j))
         assert x["reasoning"].startswith("After the last items, newest first: #1 ")
     assert sum(x["ranking"][0] != h for x, h in zip(rows, heads)) > 0  # it differs from the last-item scan somewhere
+    recent_heads = [x["ranking"][0] for x in rows]
+
+    # scan_brand: the same order with the same-brand history count compared last
+    retrace_data(out, tmp_path / "scan_brand", style="scan_brand", progress=False)
+    rows = load_split(tmp_path / "scan_brand", "train") + load_split(tmp_path / "scan_brand", "valid")
+    brand = FEATURE_NAMES.index("brand_match_count")
+    at = 0
+    for x, n in zip(rows, groups):
+        keys = [tuple(X[at + j, cols]) + (X[at + j, brand],) for j in range(n)]
+        at += n
+        assert x["ranking"][0] == max(range(n), key=lambda j: (keys[j], -j))
+        assert x["reasoning"].startswith("After the last items, newest first, then brand: #1 ")
+        assert list(parse_ranking(x["assistant"], x["candidate_sids"]).permutation) == x["ranking"]
+    assert sum(x["ranking"][0] != h for x, h in zip(rows, recent_heads)) > 0
 
     # a build with trace_style="scan" writes the same rows (its tokenizer is trained on brief traces)
     report = build_rerank_data(r, items, tmp_path / "built_scan", trace_style="scan", **BUILD)

@@ -332,6 +332,13 @@ def test_copurchase_scan_marks_each_new_best_and_picks_the_first_largest():
     assert "#2 first (co-bought after recent items)" in scan_trace(sids, [(0, 0), (0, 3), (0, 1), (0, 0)])[0]
     with pytest.raises(ValueError, match="at least one"):
         copurchase_scan([])
+    # brand counts are written after the counts and break their ties only
+    line, first = copurchase_scan([(0, 1), (0, 1), (0, 0), (1, 0)], "H:", brands=[0, 2, 5, 0])
+    assert (line, first) == ("H: #1 0/1 b0+ #2 0/1 b2+ #3 0/0 b5 #4 1/0 b0+.", 3)
+    trace, ranking = scan_trace(sids, [(0, 0)] * 4, "H:", brands=[0, 0, 3, 3])
+    assert ranking == [2, 0, 1, 3] and "#3 first (same brand as the history)" in trace
+    with pytest.raises(ValueError, match="4 co-purchase counts but 3 brand counts"):
+        copurchase_scan([0, 0, 0, 0], brands=[1, 2, 3])
 
 
 def test_candidate_evidence_parses_back_from_a_rendered_prompt(world):

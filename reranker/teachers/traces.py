@@ -191,7 +191,8 @@ def brief_trace(first_sid: str, first: int, why: str, rest: str) -> str:
     return f"#{first + 1} first ({why}): {first_sid}, then {rest}."
 
 
-SCAN_HEADS = {"last": "After the last item:", "recent": "After the last items, newest first:"}
+SCAN_HEADS = {"last": "After the last item:", "recent": "After the last items, newest first:",
+              "recent_brand": "After the last items, newest first, then brand:"}
 
 
 def _count_key(c) -> tuple:
@@ -199,7 +200,8 @@ def _count_key(c) -> tuple:
     return tuple(int(x) for x in c) if isinstance(c, (tuple, list)) else (int(c),)
 
 
-def copurchase_scan(counts: Sequence, head: str = SCAN_HEADS["last"]) -> tuple[str, int]:
+def copurchase_scan(counts: Sequence, head: str = SCAN_HEADS["last"],
+                    brands: Sequence[int] | None = None) -> tuple[str, int]:
     """The "scan" trace's evidence line and the candidate it picks.
 
     It walks the candidates in retriever order writing each one's co-purchase evidence (a count, or
@@ -209,20 +211,30 @@ def copurchase_scan(counts: Sequence, head: str = SCAN_HEADS["last"]) -> tuple[s
     choosing the largest of ten numbers in one token is an argmax over the whole prompt, which a
     small model trained on the target's position never learned (it kept the retriever's #1); each
     step here is a copy (line k's count) and one comparison with the latest "+", both local.
+
+    ``brands`` (each candidate's same-brand history count) breaks ties of the counts: it is written
+    after them as "b2" and compared last, so "#1 0/0 b2+" beats "#2 0/0 b0".
     """
     if not len(counts):
         raise ValueError("copurchase_scan needs at least one candidate")
+    if brands is not None and len(brands) != len(counts):
+        raise ValueError(f"{len(counts)} co-purchase counts but {len(brands)} brand counts")
     keys = [_count_key(c) for c in counts]
+    texts = ["/".join(map(str, key)) for key in keys]
+    if brands is not None:
+        keys = [key + (int(b),) for key, b in zip(keys, brands)]
+        texts = [f"{t} b{int(b)}" for t, b in zip(texts, brands)]
     best, parts = 0, []
     for k, key in enumerate(keys):
         beats = k == 0 or key > keys[best]
         if beats:
             best = k
-        parts.append(f"#{k + 1} {'/'.join(map(str, key))}{'+' if beats else ''}")
+        parts.append(f"#{k + 1} {texts[k]}{'+' if beats else ''}")
     return f"{head} {' '.join(parts)}.", best
 
 
-def scan_trace(candidate_sids: Sequence[str], counts: Sequence, head: str = SCAN_HEADS["last"]) -> tuple[str, list[int]]:
+def scan_trace(candidate_sids: Sequence[str], counts: Sequence, head: str = SCAN_HEADS["last"],
+               brands: Sequence[int] | None = None) -> tuple[str, list[int]]:
     """(trace, ranking) of the "scan" style: the co-purchase scan line, then the brief decision.
 
     The ranking is the scan's pick first, the rest in retriever order: the trace and the answer are
@@ -231,11 +243,13 @@ def scan_trace(candidate_sids: Sequence[str], counts: Sequence, head: str = SCAN
     """
     if len(candidate_sids) != len(counts):
         raise ValueError(f"{len(candidate_sids)} candidates but {len(counts)} co-purchase counts")
-    line, first = copurchase_scan(counts, head)
+    line, first = copurchase_scan(counts, head, brands)
     ranking = [first] + [j for j in range(len(candidate_sids)) if j != first]
     key = _count_key(counts[first])
     why = ("strongest co-purchase after the last item" if key[0] > 0 else
-           "co-bought after recent items" if any(key) else "the retriever's top choice")
+           "co-bought after recent items" if any(key) else
+           "same brand as the history" if brands is not None and brands[first] > 0 else
+           "the retriever's top choice")
     return f"{line}\n{brief_trace(candidate_sids[first], first, why, rest_text(ranking))}", ranking
 
 
