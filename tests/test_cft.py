@@ -79,6 +79,17 @@ def test_eos_fill_and_token_weights(world):
     assert _weights({**DEFAULTS, "lambda_o": 0.8})[2] == 0.8
 
 
+def test_train_file_list_pools_files_like_sft(world):
+    """cft (and opd) take a list of training files, as sft does: a mix of real lists and copy data."""
+    _, conv, data = world
+    tok = AutoTokenizer.from_pretrained(str(conv))
+    one, cands, _ = load_split(tok, data, "valid.jsonl", None, 256)
+    mix, mix_cands, _ = load_split(tok, data, ["valid.jsonl", "valid.jsonl"], None, 256)
+    assert [e.input_ids for e in mix] == [e.input_ids for e in one] * 2 and mix_cands == cands * 2
+    with pytest.raises(ValueError, match="non-empty list"):
+        load_split(tok, data, [], None, 256)
+
+
 def test_validation_noise_is_fixed(world):
     _, conv, data = world
     tok = AutoTokenizer.from_pretrained(str(conv))

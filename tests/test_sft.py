@@ -182,7 +182,7 @@ def test_train_file_list_is_a_mix(world, tmp_path):
     """A list of train files pools their records (a file listed twice counts twice); the stage
     runs on it and its data log counts the pooled examples."""
     from reranker.stages.pipeline import run_stage
-    from reranker.stages.sft import read_train_records
+    from reranker.training.batches import read_train_records
     from reranker.training.logging import read_metrics
 
     init, data = world

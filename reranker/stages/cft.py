@@ -41,7 +41,7 @@ from reranker.masks import pack_prompt_response
 from reranker.stages.base import Stage, StageContext, StageResult
 from reranker.stages.sft import accumulation
 from reranker.training import distributed as D
-from reranker.training.batches import encode_examples, end_of_turn, read_jsonl
+from reranker.training.batches import encode_examples, end_of_turn, read_jsonl, read_train_records
 from reranker.training.checkpoint import (Checkpointer, TrainState, capture_rng, restore,
                                           save_hf_dir)
 from reranker.training.logging import RunLogger
@@ -163,8 +163,9 @@ def valid_json(tok, tokens, cands) -> list:
 
 
 def load_split(tok, data_dir, name, limit, max_len):
-    """(encoded examples, candidate SIDs, encode stats) of one JSONL file."""
-    recs = read_jsonl(Path(data_dir) / name, limit)
+    """(encoded examples, candidate SIDs, encode stats) of one JSONL file, or of a list of them
+    pooled in order (as the sft stage's ``train_file``: a mix of real lists and copy data)."""
+    recs = read_train_records(Path(data_dir), name, limit)
     enc, stats = encode_examples(tok, recs, max_len)
     return enc, candidate_sids(recs, data_dir), stats
 

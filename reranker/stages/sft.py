@@ -25,7 +25,7 @@ import torch
 
 from reranker.stages.base import Stage, StageContext, StageResult
 from reranker.training import distributed as D
-from reranker.training.batches import collate, encode_examples, read_jsonl, weighted_nll
+from reranker.training.batches import collate, encode_examples, read_jsonl, read_train_records, weighted_nll
 from reranker.training.checkpoint import (Checkpointer, TrainState, capture_rng, restore,
                                           save_hf_dir)
 from reranker.training.logging import RunLogger
@@ -74,20 +74,6 @@ def check_config(cfg: dict) -> None:
                          "reasoning; set allow_lambda_r_above_lambda_o: true to do this on purpose")
     if int(cfg["batch_size"]) < 1 or int(cfg["epochs"]) < 0:
         raise ValueError("batch_size must be >= 1 and epochs >= 0")
-
-
-def read_train_records(data_dir: Path, train_file, limit: int | None = None) -> list[dict]:
-    """The records of ``train_file`` (one path or a list of paths, each relative to ``data_dir``)
-    in file order; ``limit`` caps the pooled count."""
-    files = [train_file] if isinstance(train_file, (str, Path)) else list(train_file or [])
-    if not files:
-        raise ValueError("train_file: give a file or a non-empty list of files")
-    records: list[dict] = []
-    for f in files:
-        if not isinstance(f, (str, Path)):
-            raise ValueError(f"train_file: expected file paths, got {f!r}")
-        records += read_jsonl(data_dir / f)
-    return records[:limit] if limit is not None else records
 
 
 def accumulation(cfg: dict, world_size: int) -> tuple[int, int]:

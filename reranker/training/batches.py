@@ -26,6 +26,20 @@ def read_jsonl(path, limit: int | None = None) -> list[dict]:
     return _read_jsonl(path, {"prompt_messages": list, "assistant": str}, limit)
 
 
+def read_train_records(data_dir: Path, train_file, limit: int | None = None) -> list[dict]:
+    """The records of ``train_file`` (one path or a list of paths, each relative to ``data_dir``)
+    in file order; ``limit`` caps the pooled count."""
+    files = [train_file] if isinstance(train_file, (str, Path)) else list(train_file or [])
+    if not files:
+        raise ValueError("train_file: give a file or a non-empty list of files")
+    records: list[dict] = []
+    for f in files:
+        if not isinstance(f, (str, Path)):
+            raise ValueError(f"train_file: expected file paths, got {f!r}")
+        records += read_jsonl(data_dir / f)
+    return records[:limit] if limit is not None else records
+
+
 def _ids(encoded) -> list[int]:
     """transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True); 4.x
     returned a plain list. Accept both."""
