@@ -165,7 +165,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     return summary
 
 
-WARMUP_BUILD_KEYS = ("full_prompt", "random_sids", "straight")
+WARMUP_BUILD_KEYS = ("full_prompt", "random_sids", "straight", "trace_style", "relabel_last_code", "limit")
 
 
 def warmup_label(i: int, n: int) -> str:
@@ -175,7 +175,8 @@ def warmup_label(i: int, n: int) -> str:
 def copy_warmup_specs(setting, data_dir: Path, seed: int) -> list[dict]:
     """Stage specs of the `copy_warmup` setting: one phase (a dict) or several run in order (a list).
     Each phase is an `sft` run over copy examples; its `build` key picks them (reranker/copy_warmup.py:
-    full_prompt, random_sids, straight = N lists), the rest are sft settings. The examples go to a
+    full_prompt, random_sids, straight = N lists, trace_style = a rule-scan style answering the real
+    prompts, relabel_last_code, limit = first N lists), the rest are sft settings. The examples go to a
     file named after `build`, made once, so two phases never share a file by accident."""
     from reranker.copy_warmup import build_copy_warmup
 

@@ -32,7 +32,7 @@ def evaluate(engine: RerankEngine, examples: list[dict], options: DecodeOptions,
     perms, outputs = [], []
     failures = {k: 0 for k in FAILURE_KINDS}
     valid = gen_tokens = n_forward = 0
-    decode_seconds = 0.0
+    decode_seconds = row_tokens = 0.0
     t0 = time.perf_counter()
     bar = tqdm(total=len(examples), desc=f"eval {options.decoder}", unit="ex", disable=not progress)
     for b in range(0, len(examples), batch_size):
@@ -41,6 +41,7 @@ def evaluate(engine: RerankEngine, examples: list[dict], options: DecodeOptions,
         results = engine.rerank(reqs, options)
         decode_seconds += results[0].decode_seconds if results else 0.0
         n_forward += results[0].forward_passes if results else 0
+        row_tokens += sum(r.generated_tokens for r in results) / max(len(results), 1)  # mean row length
         for r in results:
             perms.append(r.permutation)
             valid += r.valid
@@ -63,7 +64,9 @@ def evaluate(engine: RerankEngine, examples: list[dict], options: DecodeOptions,
         "copy_order_rate": float(np.mean([p == list(range(len(p))) for p in perms])) if n else 0.0,
         "generated_tokens": gen_tokens, "mean_generated_tokens": gen_tokens / max(n, 1),
         "decode_seconds": decode_seconds, "tokens_per_second": gen_tokens / max(decode_seconds, 1e-9),
-        "forward_passes": n_forward, "forward_passes_per_token": n_forward / max(gen_tokens, 1),
+        # per row (as reranker.speed): AR 1 whatever the batch; _batched divides by every row's tokens
+        "forward_passes": n_forward, "forward_passes_per_token": n_forward / max(row_tokens, 1e-12),
+        "forward_passes_per_token_batched": n_forward / max(gen_tokens, 1),
         "wall_seconds": time.perf_counter() - t0,
         "retriever": summarize(floor), "vs_retriever": compare(floor, ranks),
         "ranks": ranks.tolist(),

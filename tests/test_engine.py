@@ -65,6 +65,12 @@ def test_valid_answer_is_parsed_into_the_permutation(parts):
     rep = evaluate(eng, [{"history": req.history, "candidates": req.candidates, "target_index": 3}],
                    DecodeOptions(), progress=False)
     assert rep["recall@1"] == 1.0 and rep["retriever"]["recall@1"] == 0.0 and rep["valid_rate"] == 1.0
+    # one forward pass wrote both rows of a batch of two: per row that is one pass per row's tokens
+    ex = {"history": req.history, "candidates": req.candidates, "target_index": 3}
+    rep = evaluate(eng, [ex, ex], DecodeOptions(), batch_size=2, progress=False)
+    n = res.generated_tokens
+    assert rep["forward_passes_per_token"] == pytest.approx(1 / n)
+    assert rep["forward_passes_per_token_batched"] == pytest.approx(1 / (2 * n))
 
 
 def test_bad_requests_are_clear(parts):

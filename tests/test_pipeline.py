@@ -75,6 +75,8 @@ def test_copy_warmup_phases_build_their_own_files(tmp_path):
     assert len((tmp_path / "copy_warmup-straight5.jsonl").read_text().splitlines()) == 5
     assert copy_warmup_specs({"epochs": 1}, tmp_path, 0)[0]["config"]["train_file"] == "copy_warmup.jsonl"
     assert [warmup_label(i, 2) for i in range(2)] == ["copy_warmup_1", "copy_warmup_2"]
+    (spec,) = copy_warmup_specs({"build": {"random_sids": True, "limit": 2}}, tmp_path, 0)
+    assert len((tmp_path / spec["config"]["train_file"]).read_text().splitlines()) == 2
     with pytest.raises(ValueError, match=r"copy_warmup\[0\].build: unknown key\(s\) \['shuffle'\]"):
         copy_warmup_specs({"build": {"shuffle": True}}, tmp_path, 0)
     with pytest.raises(ValueError, match=r"copy_warmup\[1\]: expected a mapping"):
