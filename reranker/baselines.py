@@ -4,6 +4,10 @@
 * random: a seeded random permutation per user;
 * copurchase_last: sort by how often other users bought the candidate right after the user's last
   history item (training split, the user's own pairs excluded), ties by retriever order;
+* copurchase_recent_brand: sort by the counts after the last, second-to-last and third-to-last
+  history items, then the same-brand history count, compared in that order (lexicographic), ties by
+  retriever order. Its head is the pick of the "scan_brand" trace (reranker/retrace.py), so it is
+  the rule a model trained on those traces follows, applied without the LM;
 * learned_scorer: the rule teacher's LightGBM scorer alone (``<data_dir>/scorer``), no LM.
 
 Each gets Recall@1/@3 and NDCG@3/@5 and a paired bootstrap 95% CI of its difference with the
@@ -26,11 +30,19 @@ from reranker.metrics import compare, new_ranks, summarize
 from reranker.teachers.rule import LtrScorer
 
 _CP_LAST = FEATURE_NAMES.index("copurchase_last1")
+_RECENT_BRAND = [FEATURE_NAMES.index(f) for f in
+                 ("copurchase_last1", "copurchase_last2", "copurchase_last3", "brand_match_count")]
 
 
 def _order_by(values: np.ndarray) -> list[int]:
     """Candidate indices by value, descending; ties keep retriever order."""
     return [int(i) for i in np.argsort(-np.asarray(values, dtype=np.float64), kind="stable")]
+
+
+def _order_lexicographic(rows: np.ndarray) -> list[int]:
+    """Candidate indices by their feature tuples, descending, first column first; ties keep retriever order."""
+    keys = [tuple(float(v) for v in r) for r in np.asarray(rows)]
+    return sorted(range(len(keys)), key=lambda j: tuple(-v for v in keys[j]) + (j,))
 
 
 def _resolve_inputs(data_dir: Path, retrieval_dir, items_path):
@@ -49,7 +61,8 @@ def baseline_permutations(rows, ctx: FeatureContext, scorer: LtrScorer | None, s
     X, groups = ctx.featurize(rows, desc="test features")
     offsets = np.concatenate([[0], np.cumsum(groups)]).astype(int)
     scores = scorer.predict(X) if scorer is not None else None
-    perms: dict[str, list[list[int]]] = {"retriever": [], "random": [], "copurchase_last": []}
+    perms: dict[str, list[list[int]]] = {"retriever": [], "random": [], "copurchase_last": [],
+                                         "copurchase_recent_brand": []}
     if scorer is not None:
         perms["learned_scorer"] = []
     rng = np.random.default_rng([int(seed), 17])
@@ -59,6 +72,7 @@ def baseline_permutations(rows, ctx: FeatureContext, scorer: LtrScorer | None, s
         perms["retriever"].append(list(range(n)))
         perms["random"].append([int(j) for j in rng.permutation(n)])
         perms["copurchase_last"].append(_order_by(X[a:b, _CP_LAST]))
+        perms["copurchase_recent_brand"].append(_order_lexicographic(X[a:b][:, _RECENT_BRAND]))
         if scorer is not None:
             perms["learned_scorer"].append(_order_by(scores[a:b]))
     return perms

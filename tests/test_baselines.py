@@ -75,7 +75,7 @@ def test_baselines_on_known_answers(built):
     data, r, items = built
     res = run_baselines(data, r, items, n_boot=300)
     assert res["test_users"] == N_USERS and set(res["methods"]) == {"retriever", "random", "copurchase_last",
-                                                                     "learned_scorer"}
+                                                                     "copurchase_recent_brand", "learned_scorer"}
     floor = res["methods"]["retriever"]
     assert floor["vs_retriever"] is None
     assert floor["metrics"]["recall@1"] == 0 and floor["metrics"]["recall@3"] == 0
@@ -88,7 +88,7 @@ def test_baselines_on_known_answers(built):
     assert 0.0 < res["methods"]["random"]["metrics"]["recall@1"] < 0.3
     json.dumps(res)  # the results file must serialise
     table = baselines_table(res)
-    assert table.count("\n") == 6 and "| copurchase_last |" in table and "[+" in table
+    assert table.count("\n") == 7 and "| copurchase_last |" in table and "[+" in table
 
 
 def test_baselines_are_seeded_and_paths_come_from_build_info(built):
@@ -108,4 +108,5 @@ def test_copurchase_sort_breaks_ties_by_retriever_order(built):
     row = {"user": "nobody", "history": ["zz"], "candidates": ["a", "b", "c"], "scores": [3, 2, 1]}
     perms = baseline_permutations([row], ctx, None)
     assert perms["copurchase_last"] == [[0, 1, 2]] and perms["retriever"] == [[0, 1, 2]]
+    assert perms["copurchase_recent_brand"] == [[0, 1, 2]]
     assert "learned_scorer" not in perms

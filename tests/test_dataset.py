@@ -326,6 +326,9 @@ def test_scan_retrace_picks_the_copurchase_baselines_head(retrieval, built, tmp_
         assert x["reasoning"].startswith("After the last items, newest first, then brand: #1 ")
         assert list(parse_ranking(x["assistant"], x["candidate_sids"]).permutation) == x["ranking"]
     assert sum(x["ranking"][0] != h for x, h in zip(rows, recent_heads)) > 0
+    # ...which is the head of the copurchase_recent_brand baseline
+    assert [p[0] for p in baseline_permutations(rows, ctx, None)["copurchase_recent_brand"]] == \
+        [x["ranking"][0] for x in rows]
 
     # a build with trace_style="scan" writes the same rows (its tokenizer is trained on brief traces)
     report = build_rerank_data(r, items, tmp_path / "built_scan", trace_style="scan", **BUILD)

@@ -26,7 +26,8 @@ def _eval(tmp_path, name, ranks, tps=100.0, decoder="ar", n=None):
 def test_ar_report_compares_with_every_baseline_on_the_same_users(built, tmp_path):  # noqa: F811
     data, _, _ = built
     base = baseline_ranks(data)
-    assert set(base) == {"retriever", "random", "copurchase_last", "learned_scorer"}
+    assert set(base) == {"retriever", "random", "copurchase_last", "copurchase_recent_brand",
+                         "learned_scorer"}
     assert (base["retriever"] == TEST_RANK).all()
     perfect = _eval(tmp_path, "ar", np.zeros(N_USERS, int))
     before = _eval(tmp_path, "sft", base["copurchase_last"])
