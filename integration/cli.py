@@ -468,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="answer each real prompt with this rule-scan trace and pick (as retrace does) "
                     "instead of the 'put #k first' copy task")
     dc.set_defaults(func=cmd_data_copy_warmup)
-    bl = sub.add_parser("baselines", help="retriever order, random, co-purchase sort, learned scorer (with CIs)")
+    bl = sub.add_parser("baselines", help="retriever order, random, co-purchase sorts (last item; last 3 items then brand), learned scorer (with CIs)")
     bl.add_argument("--config", required=True)
     bl.add_argument("--data-dir", help="re-ranking data directory (default <out>/rerank_data)")
     bl.add_argument("--results", help="write the result to this docs/results JSON file")

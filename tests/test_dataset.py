@@ -283,7 +283,7 @@ def test_scan_retrace_picks_the_copurchase_baselines_head(retrieval, built, tmp_
     from reranker.dataset import load_retrieval
     from reranker.evidence import item_meta_lookup
     from reranker.features import FEATURE_NAMES, FeatureContext
-    from reranker.retrace import retrace_data
+    from reranker.retrace import retrace_data, rule_scan
 
     r, items = retrieval
     out, _ = built
@@ -326,6 +326,8 @@ def test_scan_retrace_picks_the_copurchase_baselines_head(retrieval, built, tmp_
         assert x["reasoning"].startswith("After the last items, newest first, then brand: #1 ")
         assert list(parse_ranking(x["assistant"], x["candidate_sids"]).permutation) == x["ranking"]
     assert sum(x["ranking"][0] != h for x, h in zip(rows, recent_heads)) > 0
+    with pytest.raises(ValueError, match="rule_scan writes one of"):
+        rule_scan(rows[0]["prompt_messages"][1]["content"], rows[0]["candidate_sids"], "brief")
     # ...which is the head of the copurchase_recent_brand baseline
     assert [p[0] for p in baseline_permutations(rows, ctx, None)["copurchase_recent_brand"]] == \
         [x["ranking"][0] for x in rows]
