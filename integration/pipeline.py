@@ -239,13 +239,12 @@ def evaluate_rows(rows, data_dir: Path, ecfg: dict, eval_dir: Path) -> list[dict
 def format_summary(summary: dict) -> str:
     rows = summary["rows"]
     n_base = summary.get("baselines_info", {}).get("test_users")
-    lines = [f"language-model rows and the retriever row: {summary.get('test_users')} test users; "
-             f"baseline rows (random, co-purchase sorts, learned scorer): all {n_base or '?'} test users",
-             f"{'row':22s} {'R@1':>7s} {'R@3':>7s} {'NDCG@3':>7s} {'valid':>7s} {'tok/s':>8s} {'speed-up':>8s}"
-             f"  R@1 vs AR (95% CI)"]
     baselines = [{"name": n, **b["metrics"]} for n, b in summary.get("baselines", {}).items() if n != "retriever"]
     w = max([22] + [len(r["name"]) for r in rows + baselines])  # the name column fits the longest name
-    lines[1] = f"{'row':{w}s}" + lines[1][22:]
+    lines = [f"language-model rows and the retriever row: {summary.get('test_users')} test users; "
+             f"baseline rows (random, co-purchase sorts, learned scorer): all {n_base or '?'} test users",
+             f"{'row':{w}s} {'R@1':>7s} {'R@3':>7s} {'NDCG@3':>7s} {'valid':>7s} {'tok/s':>8s} {'speed-up':>8s}"
+             f"  R@1 vs AR (95% CI)"]
     for r in rows[:1] + baselines + rows[1:]:
         valid = f"{r['valid_rate']:7.3f}" if r.get("valid_rate") is not None else f"{'-':>7s}"
         tps = f"{r['tokens_per_second']:8.1f}" if r.get("tokens_per_second") else f"{'-':>8s}"

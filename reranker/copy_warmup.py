@@ -32,7 +32,7 @@ from pathlib import Path
 from candidate_gen.atomic import atomic_write_text, read_jsonl
 
 from .prompt import render_assistant
-from .sid import SID_CODEBOOK, SID_RE, format_sid
+from .sid import SID_CODEBOOK, SID_RE, SemanticIds, format_sid
 
 SYSTEM = "Copy the candidates."
 
@@ -136,13 +136,10 @@ def scan_copy_example(record: dict, style: str) -> dict:
     """A real re-ranking list (prompt unchanged) answered by a rule-scan trace style (`retrace`'s
     RULE_LABEL_STYLES): relabelled with `relabel_sids`, it teaches copying in the exact format the
     model is trained and served with."""
-    from .retrace import rule_scan  # retrace imports the dataset module, which is heavy
+    from .retrace import rule_scan, user_text  # retrace imports the dataset module, which is heavy
 
     sids = [str(s) for s in record["candidate_sids"]]
-    user = next((m["content"] for m in record["prompt_messages"] if m.get("role") == "user"), None)
-    if user is None:
-        raise ValueError(f"list of user {record.get('user')!r}: field 'prompt_messages' has no user message")
-    trace, ranking = rule_scan(user, sids, style)
+    trace, ranking = rule_scan(user_text(record), sids, style)
     return {"prompt_messages": [dict(m) for m in record["prompt_messages"]],
             "assistant": render_assistant(trace, [sids[j] for j in ranking])}
 
@@ -151,7 +148,7 @@ def _last_codebook(data_dir: Path) -> int:
     """The size of the last (dedup) SID level of a data dir, from its sids.json."""
     path = data_dir / "sids.json"
     try:
-        sizes = json.loads(path.read_text())["meta"]["codebook_sizes"]
+        sizes = SemanticIds.load(path).meta["codebook_sizes"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{path}: cannot read meta.codebook_sizes ({err})") from None
     if not sizes or not 1 <= int(sizes[-1]) <= SID_CODEBOOK:

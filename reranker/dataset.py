@@ -288,6 +288,10 @@ class _Renderer:
                  relabel: str | None = None):
         self.tok, self.sids, self.meta, self.writer = tok, sids, meta, writer
         self.relabel = relabel  # a RULE_LABEL_STYLES style: each taught row is rewritten as retrace does
+        if relabel:
+            from reranker.retrace import retrace_row  # retrace imports this module
+
+            self._retrace_row = retrace_row
         self.profile, self.max_prompt_tokens, self.seed = profile, max_prompt_tokens, seed
         self.max_hist = PROFILES[profile].max_history
         self.trimmed = 0
@@ -313,9 +317,7 @@ class _Renderer:
         assistant = render_assistant(reasoning, [e.candidate_sids[i] for i in o.ranking])
         row = _row(split, src, e.candidate_sids, messages, assistant, reasoning, o)
         if self.relabel:
-            from reranker.retrace import retrace_row  # retrace imports this module
-
-            row = retrace_row(row, self.relabel)
+            row = self._retrace_row(row, self.relabel)
         if split == "train":
             types = response_token_types(self.tok, row["assistant"])
             self.tokens["reasoning"].append(types.count("reasoning"))

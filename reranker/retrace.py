@@ -49,7 +49,8 @@ def why_of(reasoning: str) -> str | None:
     return why if at >= 0 else None
 
 
-def _user_text(row: dict) -> str:
+def user_text(row: dict) -> str:
+    """The user message of a row's ``prompt_messages`` (the rendered prompt with the evidence lines)."""
     for m in row.get("prompt_messages") or []:
         if m.get("role") == "user":
             return m["content"]
@@ -76,7 +77,7 @@ def retrace_row(row: dict, style: str = "brief") -> dict:
         return row
     sids = row["candidate_sids"]
     if style in RULE_LABEL_STYLES:
-        reasoning, ranking = rule_scan(_user_text(row), sids, style)
+        reasoning, ranking = rule_scan(user_text(row), sids, style)
     else:
         why = why_of(row.get("reasoning") or "")
         if why is None:

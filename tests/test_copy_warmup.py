@@ -150,7 +150,8 @@ def test_scan_traced_copies_with_relabelled_dedup_codes(tmp_path):
     row = {"candidate_sids": sids, "assistant": "x",
            "prompt_messages": [{"role": "system", "content": "Re-rank."}, {"role": "user", "content": user}]}
     (tmp_path / "train.jsonl").write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n")
-    (tmp_path / "sids.json").write_text(json.dumps({"meta": {"codebook_sizes": [256, 256, 256, 12]}}))
+    (tmp_path / "sids.json").write_text(json.dumps({"format": "diffusion-gr2/semantic-ids/v1", "codes": {},
+                                                    "meta": {"codebook_sizes": [256, 256, 256, 12]}}))
     plain = json.loads(build_copy_warmup(tmp_path, trace_style="scan_brand").read_text().splitlines()[0])
     assert plain["prompt_messages"] == row["prompt_messages"]
     assert plain["assistant"].startswith("<think>\nAfter the last items, newest first, then brand: #1 0/0 b0+")
