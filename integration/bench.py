@@ -321,6 +321,48 @@ def speed_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
     return out + [""]
 
 
+def forward_cost_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
+    """docs/results/forward-cost-<name>.json (reranker.speed.run_forward_cost, `dgr2 forward-cost`).
+
+    Schema: {"machine": {...}, "settings": {"context", "length", "model", "model_parameters"},
+    "forward_cost": {"context", "iters", "rows": [{"batch_size", "one_token_ms": stats, "blocks":
+    [{"block_size", "ms": stats, "ratio", "fused_ms": stats, "fused_ratio"}]}]},
+    "ceiling": {"length", "steps_per_block", "rows": [{"batch_size", "blocks": [{"block_size",
+    "steps_per_block", "ceiling"}]}], "concurrency": [{"max_batch", "steps_per_block", "ceiling",
+    "ar_batch", "diffusion_batch", "block_size"}]}}
+    """
+    m, s, fc, ceil = r.get("machine") or {}, r.get("settings") or {}, r["forward_cost"], r["ceiling"]
+    sizes = [b.get("block_size") for b in fc["rows"][0].get("blocks") or []]
+    steps = ceil.get("steps_per_block") or [1]
+    cell = {(x["batch_size"], b["block_size"], b["steps_per_block"]): b["ceiling"] for x in ceil["rows"]
+            for b in x["blocks"]}
+    out = [f"### {name}", "",
+           f"One forward against a KV cache of {_fmt(fc.get('context'))} columns ({s.get('model', '?')}, "
+           f"{_fmt(s.get('model_parameters'))} parameters), median of {_fmt(fc.get('iters'))} interleaved iterations, "
+           f"{_fmt(m.get('torch_threads'))} torch threads on {_fmt(m.get('cpu_count'))} CPUs, load average "
+           f"{m.get('load_average_start', '?')} → {m.get('load_average_end', '?')}. Each cell: a B-column block step / "
+           "the fused 2B-column step (the previous block's clean write in the same forward), as multiples of a "
+           f"one-token step, then the speed-up ceilings for a {_fmt(ceil.get('length'))}-token answer of an exact "
+           "decoder whose every block takes s = " + " or ".join(str(x) for x in steps) + " steps, against AR at the "
+           "same batch (τ = 0.9 on Beauty took about 2). " + provenance(r), "",
+           "| batch | one-token step (ms) | " + " | ".join(f"B = {b}: step / fused → ceiling s = "
+                                                         + " / ".join(str(x) for x in steps) for b in sizes) + " |",
+           "|---|---|" + "---|" * len(sizes)]
+    for row in fc["rows"]:
+        b = row.get("batch_size")
+        out.append(f"| {b} | {_stat(row.get('one_token_ms'), 2)} | " + " | ".join(
+            f"{_fmt(x.get('ratio'), 2)}× / {_fmt(x.get('fused_ratio'), 2)}× → **"
+            + " / ".join(f"{_fmt(cell.get((b, x['block_size'], st)), 2)}×" for st in steps) + "**"
+            for x in row.get("blocks") or []) + " |")
+    out += ["", "Best ceiling when a micro-batcher may batch up to c requests (the best diffusion batch ≤ c and "
+                "block size against the best AR batch ≤ c):", "",
+            "| c | steps per block | ceiling | diffusion batch, B | AR batch |", "|---|---|---|---|---|"]
+    for c in ceil.get("concurrency") or []:
+        out.append(f"| {c['max_batch']} | {c.get('steps_per_block', 1)} | {_fmt(c['ceiling'], 2)}× | "
+                   f"{c['diffusion_batch']}, {c['block_size']} | {c['ar_batch']} |")
+    return out + [""]
+
+
 def frontier_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
     """The τ frontier from diffusion-speed-<name>.json: Recall@1 vs decode tok/s, one point per τ and
     batch size, AR as reference. Needs "accuracy" in the file (see speed_section's schema)."""
@@ -537,6 +579,8 @@ SECTIONS = [
     Section("Speed-up vs output length and batch size", "diffusion-speed-", length_batch_section,
             "dgr2 speed --ar <ar_dir> --diffusion <diff_dir> --data <data_dir> "
             "--out docs/results/diffusion-speed-<name>.json"),
+    Section("Speed-up ceiling of exact block diffusion (forward cost)", "forward-cost-", forward_cost_section,
+            "dgr2 forward-cost --size cpu --vocab 3032 --out docs/results/forward-cost-<name>.json"),
     Section("Service load (gRPC)", "service-load", service_section,
             "dgr2 loadtest --target 127.0.0.1:50051 --requests <candidates.jsonl> --n 5000 --decoders ar,diffusion "
             "--concurrency 1,8,32 --out docs/results/service-load.json"),

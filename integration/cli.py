@@ -92,6 +92,27 @@ def cmd_speed(args) -> int:
     return 0
 
 
+def cmd_forward_cost(args) -> int:
+    from reranker.model import build_model, load_model
+    from reranker.speed import format_forward_cost, run_forward_cost
+
+    def ints(s):
+        return tuple(int(x) for x in s.split(",") if x.strip())
+
+    if bool(args.model) == bool(args.vocab):
+        raise SystemExit("dgr2 forward-cost: give either --model DIR or --vocab N (with --size), not both")
+    if args.model:
+        model, name = load_model(args.model), f"model dir {Path(args.model).name}"
+    else:
+        model, name = build_model(args.vocab, args.size), f"random {args.size} Qwen3, vocab {args.vocab}"
+    rep = run_forward_cost(model, args.context, ints(args.batch_sizes), ints(args.block_sizes), args.length,
+                           args.iters, threads=args.threads, out_json=args.out, command=_command(), model_name=name)
+    print(format_forward_cost(rep))
+    if args.out:
+        print(f"results written to {args.out}")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from .bench import build_benchmarks
 
@@ -413,6 +434,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-accuracy", action="store_true", help="skip Recall@1 / valid rate per tau")
     s.add_argument("--accuracy-limit", type=int, default=None, help="accuracy on the first N examples only")
     s.set_defaults(func=cmd_speed)
+    f = sub.add_parser("forward-cost", help="forward cost of block steps vs one-token steps, and the speed-up "
+                                            "ceiling it puts on exact block diffusion (no trained model needed)")
+    f.add_argument("--model", help="a model directory (its shapes are what count; the weights do not matter)")
+    f.add_argument("--size", default="cpu", choices=["cpu", "tiny"], help="with --vocab: a random model of this size")
+    f.add_argument("--vocab", type=int, help="with --size: vocabulary of the random model (Beauty's cpu model: 3032)")
+    f.add_argument("--context", type=int, default=403, help="cached columns (the mean Beauty prompt: 403)")
+    f.add_argument("--length", type=int, default=240, help="answer length for the ceiling (scan_brand answers: ~239)")
+    f.add_argument("--batch-sizes", default="1,2,4,8,32")
+    f.add_argument("--block-sizes", default="8,16,32,64")
+    f.add_argument("--iters", type=int, default=20)
+    f.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's current setting)")
+    f.add_argument("--out", help="write docs/results/forward-cost-<name>.json")
+    f.set_defaults(func=cmd_forward_cost)
     e = sub.add_parser("eval", help="re-rank a split with a model and report metrics with CIs")
     e.add_argument("--model", required=True, help="model directory (AR or converted diffusion)")
     e.add_argument("--data", required=True, help="re-ranking data directory (dgr2 data build)")

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import platform
 import time
@@ -182,12 +183,14 @@ def _interleaved(ar_model, diff_model, prompts, batch_size, taus, max_new_tokens
 
 @torch.no_grad()
 def forward_cost(model, context, batch_sizes=DEFAULT_BATCH_SIZES, block_sizes=DEFAULT_FORWARD_BLOCKS, iters=20,
-                 warmup=3, seed=0) -> dict:
+                 warmup=3, seed=0, fused=False) -> dict:
     """Wall time of ONE forward pass against a KV cache of `context` columns: a one-token step (AR)
     vs a block step of each block size (a diffusion denoising step: B noisy columns, bidirectional
     within the block). Masks are built outside the timed region; the step's KVs are cropped after
     it (untimed), so every iteration sees the same cache. Variants are interleaved per iteration.
-    Returns {"context", "iters", "rows": [{"batch_size", "one_token_ms": stats,
+    With fused=True each block also gets the fused step of 2B columns ([clean window of the previous
+    block ; noisy window], what block_step runs when a block has just finished), as fused_ms and
+    fused_ratio. Returns {"context", "iters", "rows": [{"batch_size", "one_token_ms": stats,
     "blocks": [{"block_size", "ms": stats, "ratio"}]}]} with ratio = median block / median one-token."""
     model.eval()
     dev = model.device
@@ -207,15 +210,19 @@ def forward_cost(model, context, batch_sizes=DEFAULT_BATCH_SIZES, block_sizes=DE
         zero1 = torch.zeros(1, dtype=torch.long, device=dev)
         variants[1] = (ids[:, -1:], torch.full((b, 1), pre, device=dev),
                        block_causal_mask(kv_blk[-1:], zero1, kv_blk, torch.zeros_like(kv_blk), valid1))
-        for B in block_sizes:  # a noisy window (as block_step builds it, without a pending clean write)
-            q_blk = torch.full((B,), pre, device=dev)
-            q_grp = torch.ones(B, dtype=torch.long, device=dev)
-            kvb = torch.cat([cache_blk, q_blk])
-            kvg = torch.cat([torch.zeros_like(cache_blk), q_grp])
-            kvv = torch.cat([cache_valid, torch.ones(b, B, dtype=torch.bool, device=dev)], 1)
-            win = torch.randint(0, vocab, (b, B), generator=g).to(dev)
-            pos = (pre + torch.arange(B, device=dev))[None].expand(b, B)
-            variants[B] = (win, pos, block_causal_mask(q_blk, q_grp, kvb, kvg, kvv))
+        for B in block_sizes:
+            # a noisy window (as block_step builds it, without a pending clean write) and, if asked, the
+            # fused step: the previous block's clean window written to the cache in the same forward
+            for width, key in [(1, B)] + ([(2, ("fused", B))] if fused else []):
+                n = width * B
+                q_blk = torch.cat([torch.full((B,), pre + i, device=dev) for i in range(width)])
+                q_grp = torch.cat([torch.full((B,), int(i == width - 1), device=dev) for i in range(width)])
+                kvb = torch.cat([cache_blk, q_blk])
+                kvg = torch.cat([torch.zeros_like(cache_blk), q_grp])
+                kvv = torch.cat([cache_valid, torch.ones(b, n, dtype=torch.bool, device=dev)], 1)
+                win = torch.randint(0, vocab, (b, n), generator=g).to(dev)
+                pos = (pre + torch.arange(n, device=dev))[None].expand(b, n)
+                variants[key] = (win, pos, block_causal_mask(q_blk, q_grp, kvb, kvg, kvv))
         times = {k: [] for k in variants}
         for it in range(warmup + iters):
             for k, (x, pos, mask) in variants.items():
@@ -225,11 +232,56 @@ def forward_cost(model, context, batch_sizes=DEFAULT_BATCH_SIZES, block_sizes=DE
                 crop(cache, x.shape[1])
                 if it >= warmup:
                     times[k].append(dt * 1000.0)
-        one = stats(times[1])
-        rows.append({"batch_size": b, "one_token_ms": one,
-                     "blocks": [{"block_size": B, "ms": stats(times[B]),
-                                 "ratio": float(np.median(times[B]) / np.median(times[1]))} for B in block_sizes]})
+        one = float(np.median(times[1]))
+        blocks = []
+        for B in block_sizes:
+            row = {"block_size": B, "ms": stats(times[B]), "ratio": float(np.median(times[B]) / one)}
+            if fused:
+                row.update(fused_ms=stats(times[("fused", B)]),
+                           fused_ratio=float(np.median(times[("fused", B)]) / one))
+            blocks.append(row)
+        rows.append({"batch_size": b, "one_token_ms": stats(times[1]), "blocks": blocks})
     return {"context": int(context), "iters": iters, "warmup": warmup, "rows": rows}
+
+
+def speedup_ceiling(fc: dict, length: int, steps_per_block=(1, 2)) -> dict:
+    """The most an EXACT block-diffusion decoder can gain over AR, from a forward_cost report with
+    fused timings, for answers of `length` tokens when every block takes s denoising steps: the first
+    block s plain B-column steps, each later one the fused step that also writes the previous
+    block's clean KVs (block_step with `pending`) plus s - 1 plain steps; the fewest forwards a
+    decoder that caches exact clean blocks can run. s = 1 is a model sure of all B tokens at once;
+    s = 2 is about what tau = 0.9 gives (15.4 tokens per step at B = 32 on Beauty). AR pays one
+    one-token step per token. Prefill is the same for both and left out, as are per-step Python
+    costs and batch rows waiting for each other, which only lower the real figure.
+
+    Returns {"length", "rows": [{"batch_size", "blocks": [{"block_size", "steps_per_block",
+    "ceiling"}]}], "concurrency": [{"max_batch", "steps_per_block", "ceiling", "ar_batch",
+    "diffusion_batch", "block_size"}]}: per batch size, diffusion / AR tokens per second at that
+    batch; per concurrency c (a micro-batcher that may batch up to c requests) and s, the best
+    diffusion throughput at any batch <= c and block size over the best AR throughput at any batch <= c."""
+    out_rows, ar_tps, diff_tps = [], {}, {}
+    for row in fc["rows"]:
+        b, one = row["batch_size"], row["one_token_ms"]["median"]
+        ar_tps[b] = b / one  # tokens per ms
+        blocks = []
+        for blk in row["blocks"]:
+            if "fused_ms" not in blk:
+                raise ValueError("speedup_ceiling needs forward_cost(..., fused=True) timings")
+            B, n = blk["block_size"], math.ceil(length / blk["block_size"])
+            plain, fused = blk["ms"]["median"], blk["fused_ms"]["median"]
+            for st in steps_per_block:
+                ms = st * plain + (n - 1) * (fused + (st - 1) * plain)
+                diff_tps[(b, B, st)] = b * length / ms
+                blocks.append({"block_size": B, "steps_per_block": st, "ceiling": diff_tps[(b, B, st)] / ar_tps[b]})
+        out_rows.append({"batch_size": b, "blocks": blocks})
+    conc = []
+    for st in steps_per_block:
+        for c in sorted(ar_tps):
+            ar_b = max((b for b in ar_tps if b <= c), key=lambda b: ar_tps[b])
+            db, dB, _ = max((k for k in diff_tps if k[0] <= c and k[2] == st), key=lambda k: diff_tps[k])
+            conc.append({"max_batch": c, "steps_per_block": st, "ceiling": diff_tps[(db, dB, st)] / ar_tps[ar_b],
+                         "ar_batch": ar_b, "diffusion_batch": db, "block_size": dB})
+    return {"length": int(length), "steps_per_block": list(steps_per_block), "rows": out_rows, "concurrency": conc}
 
 
 # ------------------------------------------------------------------------------------------ accuracy
@@ -438,6 +490,67 @@ def run_speed_benchmark(ar_dir, diff_dir, data_dir, out_json=None, n_prompts=8, 
         write_result(out_json, rep, command)
         return json.loads(Path(out_json).read_text())
     return rep
+
+
+def run_forward_cost(model, context=403, batch_sizes=(1, 2, 4, 8, 32), block_sizes=(8, 16, 32, 64), length=240,
+                     iters=20, warmup=3, threads=None, out_json=None, command=None, model_name=None,
+                     steps_per_block=(1, 2)) -> dict:
+    """forward_cost with fused steps plus speedup_ceiling: the bound on an exact block-diffusion
+    decoder's speed-up over AR that follows from this machine's forward costs alone (no trained model
+    needed: a forward's cost depends on the shapes, not on the weights). Writes
+    docs/results/forward-cost-<name>.json if out_json is given.
+
+        dgr2 forward-cost --size cpu --vocab 3032 --out docs/results/forward-cost-cpu.json
+    """
+    old_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(int(threads))
+    try:
+        machine = machine_info()
+        machine["load_average_start"] = machine.pop("load_average")
+        t0 = time.perf_counter()
+        fc = forward_cost(model.eval(), context, batch_sizes, block_sizes, iters=iters, warmup=warmup, fused=True)
+        machine["torch_threads"] = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(old_threads)
+    machine["load_average_end"] = machine_info()["load_average"]
+    rep = {"kind": "forward-cost", "machine": machine,
+           "settings": {"context": int(context), "length": int(length), "batch_sizes": [int(b) for b in batch_sizes],
+                        "block_sizes": [int(b) for b in block_sizes], "iters": iters, "warmup": warmup,
+                        "model": model_name, "model_parameters": sum(p.numel() for p in model.parameters()),
+                        "vocab_size": model.get_input_embeddings().weight.shape[0],
+                        "model_dtype": str(model.dtype).replace("torch.", ""), "device": str(model.device)},
+           "forward_cost": fc, "ceiling": speedup_ceiling(fc, length, steps_per_block), "wall_seconds": time.perf_counter() - t0,
+           "notes": ("Ceiling = the speed-up of an exact block-diffusion decoder whose blocks each take s steps "
+                     "(each later block's first step fused with the clean write of the block before), over AR at "
+                     "the same batch; per-step Python costs are left out, so real decoders stay below it. "
+                     "Timings are medians of interleaved iterations on a shared machine: see load_average.")}
+    if out_json is not None:
+        from integration.results import write_result
+
+        write_result(out_json, rep, command or f"dgr2 forward-cost --out {_display_path(out_json)}")
+        return json.loads(Path(out_json).read_text())
+    return rep
+
+
+def format_forward_cost(rep: dict) -> str:
+    """What `dgr2 forward-cost` prints: cost ratios and the speed-up ceilings per batch and block."""
+    fc, ceil = rep["forward_cost"], rep["ceiling"]
+    lines = [f"forward cost vs a one-token step, cache {fc['context']} columns, {rep['machine']['torch_threads']} "
+             f"threads (plain window / fused with the previous block's clean write); speed-up ceiling at "
+             f"{ceil['length']} tokens with s steps per block:"]
+    by_b = {r["batch_size"]: r["blocks"] for r in ceil["rows"]}
+    for row in fc["rows"]:
+        cells = ", ".join(f"B={b['block_size']}: {b['ratio']:.2f}x / {b['fused_ratio']:.2f}x" for b in row["blocks"])
+        lines.append(f"  batch {row['batch_size']}: one-token {row['one_token_ms']['median']:.2f} ms; {cells}")
+        for st in ceil["steps_per_block"]:
+            cs = ", ".join(f"B={c['block_size']}: {c['ceiling']:.2f}x" for c in by_b[row["batch_size"]]
+                           if c["steps_per_block"] == st)
+            lines.append(f"      ceiling, s={st}: {cs}")
+    for c in ceil["concurrency"]:
+        lines.append(f"  concurrency {c['max_batch']}, s={c['steps_per_block']}: ceiling {c['ceiling']:.2f}x "
+                     f"(diffusion batch {c['diffusion_batch']}, B={c['block_size']}; AR batch {c['ar_batch']})")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------- printing

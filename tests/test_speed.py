@@ -9,7 +9,8 @@ from reranker.convert import convert_to_diffusion
 from reranker.model import SIZES, build_model, save_model
 from reranker.prompt import render_assistant
 from reranker.sid import build_semantic_ids
-from reranker.speed import NO_EOS, format_speed, measure_speed, run_speed_benchmark, stats
+from reranker.speed import (NO_EOS, format_forward_cost, format_speed, forward_cost, measure_speed, run_forward_cost,
+                            run_speed_benchmark, speedup_ceiling, stats)
 from reranker.tokenizer import build_tokenizer
 
 torch.set_num_threads(1)
@@ -136,3 +137,46 @@ def test_run_speed_benchmark_writes_result_with_accuracy(parts, tmp_path, monkey
     assert saved["command"] in md and "abc1234" in md
     assert (tmp_path / "plots" / "tau-frontier-tiny.png").stat().st_size > 0
     assert (tmp_path / "plots" / "speedup-length-tiny.png").stat().st_size > 0
+
+
+def _fc(rows):
+    """A forward_cost report from {batch: (one_token_ms, {B: (block_ms, fused_ms)})}."""
+    return {"context": 10, "rows": [{"batch_size": b, "one_token_ms": {"median": one},
+                                     "blocks": [{"block_size": B, "ms": {"median": m}, "fused_ms": {"median": f}}
+                                                for B, (m, f) in blocks.items()]}
+                                    for b, (one, blocks) in rows.items()]}
+
+
+def test_speedup_ceiling_arithmetic():
+    # L = 8, B = 4: two blocks, the first a plain step (2 ms), the second fused (3 ms) -> 8 tokens in 5 ms
+    # against AR's 8 tokens in 8 ms at batch 1; at batch 8 the block steps cost more than 8 one-token steps
+    fc = _fc({1: (1.0, {4: (2.0, 3.0)}), 8: (2.0, {4: (8.0, 16.0)})})
+    c = speedup_ceiling(fc, length=8, steps_per_block=(1,))
+    assert [(r["batch_size"], r["blocks"][0]["ceiling"]) for r in c["rows"]] == [(1, pytest.approx(1.6)),
+                                                                                 (8, pytest.approx(64 / 24 / 4))]
+    # a micro-batcher allowed 8 requests: the best diffusion batch (8: 64/24 tok/ms) vs the best AR batch (8: 4)
+    by_c = {x["max_batch"]: x for x in c["concurrency"]}
+    assert by_c[1]["ceiling"] == pytest.approx(1.6)
+    assert by_c[8]["ceiling"] == pytest.approx((64 / 24) / 4) and by_c[8]["ar_batch"] == 8
+    # two steps per block: 2 plain steps for block 0, fused + plain for block 1 -> 8 tokens in 9 ms
+    two = speedup_ceiling(fc, length=8, steps_per_block=(2,))
+    assert two["rows"][0]["blocks"][0] == {"block_size": 4, "steps_per_block": 2, "ceiling": pytest.approx(8 / 9)}
+    with pytest.raises(ValueError, match="fused"):
+        speedup_ceiling({"rows": [{"batch_size": 1, "one_token_ms": {"median": 1.0},
+                                   "blocks": [{"block_size": 4, "ms": {"median": 2.0}}]}]}, length=8)
+
+
+def test_forward_cost_fused_and_report(parts, tmp_path):
+    fc = forward_cost(parts["dmodel"], 6, batch_sizes=(1, 2), block_sizes=(2, 4), iters=2, warmup=1, fused=True)
+    for row in fc["rows"]:
+        assert [b["block_size"] for b in row["blocks"]] == [2, 4]
+        assert all(b["fused_ms"]["n"] == 2 and b["fused_ratio"] > 0 for b in row["blocks"])
+    assert "fused_ms" not in forward_cost(parts["dmodel"], 6, (1,), (2,), iters=1, warmup=0)["rows"][0]["blocks"][0]
+    out = tmp_path / "forward-cost-x.json"
+    rep = run_forward_cost(parts["dmodel"], 6, (1, 2), (2, 4), length=10, iters=2, threads=1, out_json=out,
+                           command="dgr2 forward-cost --test")
+    assert json.loads(out.read_text())["command"] == "dgr2 forward-cost --test"
+    assert rep["machine"]["torch_threads"] == 1 and rep["settings"]["length"] == 10
+    assert [(c["max_batch"], c["steps_per_block"]) for c in rep["ceiling"]["concurrency"]] == [(1, 1), (2, 1),
+                                                                                              (1, 2), (2, 2)]
+    assert "concurrency 2, s=2: ceiling" in format_forward_cost(rep)

@@ -45,6 +45,7 @@ from reranker.training.batches import encode_examples, end_of_turn, read_jsonl, 
 from reranker.training.checkpoint import (Checkpointer, TrainState, capture_rng, restore,
                                           save_hf_dir)
 from reranker.training.logging import RunLogger
+from reranker.training.precision import autocast, check_autocast
 from reranker.training.loop import after_step, finish, scheduled_batches
 from reranker.training.schedule import build_optimizer, build_scheduler, warmup_steps_from
 
@@ -79,6 +80,7 @@ DEFAULTS = {
     "decode_tau": 0.9,
     "decode_max_new_tokens": None,  # None: longest reference response of those prompts + one block
     "dtype": "float32",
+    "autocast": "none",  # "bf16": bfloat16 matmuls in the training forward, fp32 weights (training/precision.py)
     "save_every": 50,
     "keep_checkpoints": 2,
     "eval_every": None,
@@ -267,6 +269,7 @@ def check_config(cfg: dict) -> None:
                          f"got {lam_r}, {lam_o}, {fill}")
     if int(cfg["batch_size"]) < 1 or int(cfg["epochs"]) < 0:
         raise ValueError("batch_size must be >= 1 and epochs >= 0")
+    check_autocast(cfg["autocast"])
 
 
 def train_cft(ctx: StageContext) -> StageResult:
@@ -358,7 +361,8 @@ def train_cft(ctx: StageContext) -> StageResult:
             x, plen, rlen, w = cft_batch([train[i] for i in idx], ids[1], ids[0], B, *lam, device)
             t, m = example_noise([(ctx.seed, state.step, i) for i in idx], rlen, cfg["complementary"], cfg["t_eps"],
                                  device)  # keyed by (step, example): reproducible on resume, any world size
-            loss = diffusion_loss(model, x, plen, rlen, B, mask_id, w, t=t, target_mask=m)
+            with autocast(cfg["autocast"], device):
+                loss = diffusion_loss(model, x, plen, rlen, B, mask_id, w, t=t, target_mask=m)
             part = loss * (float(rlen.sum()) / n_tokens)  # this micro-batch's share of the global mean
             part.backward()
             loss_sum += float(part.detach())

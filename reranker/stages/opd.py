@@ -45,6 +45,7 @@ from reranker.training import distributed as D
 from reranker.training.checkpoint import (Checkpointer, TrainState, capture_rng, restore,
                                           save_hf_dir)
 from reranker.training.logging import RunLogger
+from reranker.training.precision import autocast, check_autocast
 from reranker.training.loop import after_step, finish, scheduled_batches
 from reranker.training.schedule import build_optimizer, build_scheduler, warmup_steps_from
 
@@ -80,6 +81,7 @@ DEFAULTS = {
     "eps": 1e-8,
     "max_grad_norm": 1.0,
     "dtype": "float32",
+    "autocast": "none",  # "bf16": bfloat16 matmuls in the replayed (trained) forward (training/precision.py)
     "save_every": 20,
     "keep_checkpoints": 2,
     "eval_every": None,
@@ -196,6 +198,7 @@ def check_config(cfg: dict) -> None:
         raise ValueError("opd: group_size, batch_size and max_new_tokens must be >= 1")
     if int(cfg["top_k"]) < 0:
         raise ValueError(f"opd: top_k must be >= 0 (0 = full logits), got {cfg['top_k']}")
+    check_autocast(cfg["autocast"])
 
 
 def train_opd(ctx: StageContext) -> StageResult:
@@ -274,8 +277,9 @@ def train_opd(ctx: StageContext) -> StageResult:
         if mine:
             r = make_rollouts(model, teacher, tok, [prompt(valid[i]) for i in mine], [valid_cands[i] for i in mine],
                               cfg, B, mask_id, ids, 0.0, None)
-            loss, _ = opd_loss_sum(model, r.cache, r.prompts, r.result.trajectories, B, mask_id, ids[1], kind, beta,
-                                   cfg["replay_max_windows"])
+            with autocast(cfg["autocast"], device):
+                loss, _ = opd_loss_sum(model, r.cache, r.prompts, r.result.trajectories, B, mask_id, ids[1], kind,
+                                       beta, cfg["replay_max_windows"])
             sums, loss_sum = r.stats(), float(loss)
         *sums, loss_sum = D.all_reduce_sum([*sums, loss_sum], device)
         val = summarize(sums, loss_sum)
@@ -305,8 +309,9 @@ def train_opd(ctx: StageContext) -> StageResult:
         # 3-4. Replay each micro-batch with gradients; its share of the global mean.
         loss_sum = 0.0
         for r in rolls:
-            loss, _ = opd_loss_sum(model, r.cache, r.prompts, r.result.trajectories, B, mask_id, ids[1], kind, beta,
-                                   cfg["replay_max_windows"])
+            with autocast(cfg["autocast"], device):
+                loss, _ = opd_loss_sum(model, r.cache, r.prompts, r.result.trajectories, B, mask_id, ids[1], kind,
+                                       beta, cfg["replay_max_windows"])
             (loss / n_global).backward()
             loss_sum += float(loss.detach())
         sum_gradients(model)

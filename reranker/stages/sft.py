@@ -29,6 +29,7 @@ from reranker.training.batches import collate, encode_examples, read_jsonl, read
 from reranker.training.checkpoint import (Checkpointer, TrainState, capture_rng, restore,
                                           save_hf_dir)
 from reranker.training.logging import RunLogger
+from reranker.training.precision import autocast, check_autocast
 from reranker.training.loop import after_step, finish, scheduled_batches
 from reranker.training.schedule import build_optimizer, build_scheduler, warmup_steps_from
 
@@ -58,6 +59,7 @@ DEFAULTS = {
     "lambda_o": 1.0,  # weight of answer tokens (from </think> on, and the end-of-turn token)
     "allow_lambda_r_above_lambda_o": False,
     "dtype": "float32",
+    "autocast": "none",  # "bf16": bfloat16 matmuls in the training forward, fp32 weights (training/precision.py)
     "save_every": 50,  # optimizer steps between checkpoints (plus one after every validation)
     "keep_checkpoints": 2,
     "eval_every": None,  # extra validations every N steps (besides each epoch end)
@@ -74,6 +76,7 @@ def check_config(cfg: dict) -> None:
                          "reasoning; set allow_lambda_r_above_lambda_o: true to do this on purpose")
     if int(cfg["batch_size"]) < 1 or int(cfg["epochs"]) < 0:
         raise ValueError("batch_size must be >= 1 and epochs >= 0")
+    check_autocast(cfg["autocast"])
 
 
 def accumulation(cfg: dict, world_size: int) -> tuple[int, int]:
@@ -228,7 +231,9 @@ def train_sft(ctx: StageContext) -> StageResult:
         for a, idx in enumerate(micro_batches):
             b = _to(collate([train[i] for i in idx], pad_id, lam_r, lam_o), device)
             with D.no_sync(ddp, a < len(micro_batches) - 1):
-                loss_sum, st = weighted_nll(_forward(ddp, b), b["labels"], b["loss_weights"], b["answer_mask"])
+                with autocast(cfg["autocast"], device):
+                    logits = _forward(ddp, b)
+                loss_sum, st = weighted_nll(logits, b["labels"], b["loss_weights"], b["answer_mask"])
                 # DDP averages gradients over ranks; × world turns that average into the sum.
                 (loss_sum * (world / max(n_tokens, 1))).backward()
             parts = [float(loss_sum.detach()), st["nll_sum"], st["answer_nll_sum"], st["answer_tokens"]]
