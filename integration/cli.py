@@ -85,7 +85,7 @@ def cmd_speed(args) -> int:
         batch_sizes=ints(args.batch_sizes), taus=floats(args.taus), block_size=args.block_size,
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup, threads=args.threads,
         lengths=ints(args.lengths), length_taus=floats(args.length_taus), forward_blocks=ints(args.forward_blocks),
-        progress=logging.getLogger("dgr2.speed").info)
+        progress=logging.getLogger("dgr2.speed").info, commit_rule=args.commit_rule)
     print(format_speed(rep))
     if args.out:
         print(f"results written to {args.out}")
@@ -153,7 +153,7 @@ def cmd_eval(args) -> int:
     from reranker.evaluate import evaluate_dirs, format_report
 
     opts = DecodeOptions(decoder=args.decoder, tau=args.tau, block_size=args.block_size,
-                         max_new_tokens=args.max_new_tokens)
+                         max_new_tokens=args.max_new_tokens, commit_rule=args.commit_rule)
     rep = evaluate_dirs(args.model, args.data, args.split, opts, args.batch_size, args.limit)
     print(format_report(rep))
     if args.out:
@@ -425,6 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--taus", default="1.0,0.9,0.8,0.6,0.4")
     s.add_argument("--block-size", type=int, default=None, help="default: the one recorded in the model")
     s.add_argument("--max-new-tokens", type=int, default=320)
+    s.add_argument("--commit-rule", default="confidence", choices=["confidence", "prefix"])
     s.add_argument("--repeats", type=int, default=5)
     s.add_argument("--warmup", type=int, default=1)
     s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's current setting)")
@@ -453,6 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--split", default="test", choices=["train", "valid", "test"])
     e.add_argument("--decoder", default="ar", choices=["ar", "diffusion"])
     e.add_argument("--tau", type=float, default=0.9)
+    e.add_argument("--commit-rule", default="confidence", choices=["confidence", "prefix"],
+                   help="diffusion: commit every confident position (the paper's), or only the leftmost masked "
+                        "one and the confident run after it")
     e.add_argument("--block-size", type=int, default=None)
     e.add_argument("--max-new-tokens", type=int, default=320)
     e.add_argument("--batch-size", type=int, default=8)

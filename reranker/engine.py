@@ -24,6 +24,7 @@ from .answer import parse_ranking, permutation_or_fallback
 from .convert import load_diffusion_config
 from .decoding.ar import ar_decode
 from .decoding.diffusion import diffusion_decode
+from .decoding.forward import COMMIT_RULES
 from .evidence import CoPurchaseCounts, candidates_evidence
 from .prompt import render_prompt_messages, render_prompt_within_budget
 from .sid import SemanticIds
@@ -49,6 +50,7 @@ class DecodeOptions:
     max_new_tokens: int = 320
     max_steps_per_block: int | None = None
     seed: int = 0
+    commit_rule: str = "confidence"  # diffusion only: "confidence" (the paper's) or "prefix" (left to right)
 
     def validate(self) -> None:
         if self.decoder not in DECODERS:
@@ -59,6 +61,8 @@ class DecodeOptions:
             raise ValueError(f"block_size must be in [1, 256], got {self.block_size}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.commit_rule not in COMMIT_RULES:
+            raise ValueError(f"commit_rule must be one of {COMMIT_RULES}, got {self.commit_rule!r}")
 
 
 @dataclass
@@ -169,7 +173,7 @@ class RerankEngine:
         res = diffusion_decode(self.model, prompts, options.max_new_tokens, block,
                                int(self.diffusion["mask_token_id"]), self.eos_id, self.pad_id, tau=options.tau,
                                temperature=options.temperature, max_steps_per_block=options.max_steps_per_block,
-                               generator=gen)
+                               generator=gen, commit_rule=options.commit_rule)
         return res.tokens, res.n_forward, res
 
     def rerank(self, requests: list[RerankRequest], options: DecodeOptions | None = None) -> list[RerankResult]:

@@ -123,3 +123,43 @@ def test_diffusion_decoder_bookkeeping():
     again = diffusion_decode(model, prompts, max_new, B, MASK, eos, tau=0.5, temperature=1.0,
                              generator=torch.Generator().manual_seed(0))
     assert sampled.tokens == again.tokens
+
+
+def test_prefix_commit_rule():
+    conf = torch.tensor([[0.5, 0.95, 0.2, 0.99], [0.95, 0.91, 0.3, 0.99], [0.1, 0.2, 0.3, 0.4], [0.2, 0.99, 0.1, 0.9]])
+    elig = torch.tensor([[True] * 4, [True] * 4, [False] * 4, [False, True, True, True]])
+    out = commit_confident(conf, elig, 0.9, rule="prefix")
+    # row 0: the leftmost (unsure) one is forced, then the sure run after it, up to the unsure third;
+    # row 1: a sure run from the left; row 3: committed positions do not stop the run (its first is done)
+    assert out.tolist() == [[True, True, False, False], [True, True, False, False], [False] * 4,
+                            [False, True, False, False]]
+    assert commit_confident(conf, elig, 0.9, force_all=True, rule="prefix").tolist() == elig.tolist()
+    with pytest.raises(ValueError, match="commit rule"):
+        commit_confident(conf, elig, 0.9, rule="left")
+
+
+def test_prefix_rule_commits_left_to_right():
+    """Under the prefix rule every block fills left to right (steps never decrease along a block), B = 1
+    is still AR, and a threshold above 1 commits one token per step, exactly AR's order."""
+    model, prompts = model_for("sdpa"), prompts_for(4)
+    eos = frequent_token(model, prompts)
+    ar = ar_decode(model, prompts, 14, eos_token_id=eos)
+    assert diffusion_decode(model, prompts, 14, 1, MASK, eos, tau=0.9, commit_rule="prefix").tokens == ar.tokens
+    one = diffusion_decode(model, prompts, 14, 4, MASK, eos, tau=1.1, commit_rule="prefix")
+    for tr in one.trajectories:
+        for k in range(len(tr.tokens) // 4):
+            st = tr.steps[k * 4:(k + 1) * 4]
+            st = st[st >= 0].tolist()
+            assert st == list(range(len(st)))
+    res = diffusion_decode(model, prompts, 14, 4, MASK, eos, tau=0.3, commit_rule="prefix")
+    for tr in res.trajectories:
+        for k in range(len(tr.tokens) // 4):
+            st = tr.steps[k * 4:(k + 1) * 4]
+            st = st[st >= 0].tolist()
+            assert st == sorted(st)
+    with pytest.raises(ValueError, match="commit rule"):
+        diffusion_decode(model, prompts, 4, 4, MASK, eos, commit_rule="nope")
+    from reranker.engine import DecodeOptions
+
+    with pytest.raises(ValueError, match="commit_rule must be one of"):
+        DecodeOptions(decoder="diffusion", commit_rule="nope").validate()

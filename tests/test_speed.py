@@ -180,3 +180,13 @@ def test_forward_cost_fused_and_report(parts, tmp_path):
     assert [(c["max_batch"], c["steps_per_block"]) for c in rep["ceiling"]["concurrency"]] == [(1, 1), (2, 1),
                                                                                               (1, 2), (2, 2)]
     assert "concurrency 2, s=2: ceiling" in format_forward_cost(rep)
+
+
+def test_measure_speed_passes_the_commit_rule(parts):
+    kw = dict(batch_sizes=(2,), taus=(0.3,), max_new_tokens=8, repeats=1, warmup=0, threads=1, lengths=(),
+              forward_blocks=())
+    conf = measure_speed(parts["model"], parts["dmodel"], parts["prompts"], **kw)
+    pre = measure_speed(parts["model"], parts["dmodel"], parts["prompts"], commit_rule="prefix", **kw)
+    assert conf["settings"]["commit_rule"] == "confidence" and pre["settings"]["commit_rule"] == "prefix"
+    # left to right commits at most as many tokens per step as the free rule on the same model
+    assert pre["batches"][0]["points"][0]["tokens_per_step"] <= conf["batches"][0]["points"][0]["tokens_per_step"]

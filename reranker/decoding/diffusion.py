@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..masks import block_causal_mask, clean_block_ids, left_pad, position_ids_for
-from .forward import commit_confident, crop, forward, new_cache, pick_tokens, select_rows
+from .forward import COMMIT_RULES, commit_confident, crop, forward, new_cache, pick_tokens, select_rows
 
 
 @dataclass
@@ -103,13 +103,18 @@ def _first_eos(canvas, step_of, eos_id):
 
 @torch.no_grad()
 def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, eos_token_id,
-                     pad_token_id=0, tau=0.9, temperature=0.0, max_steps_per_block=None, generator=None):
+                     pad_token_id=0, tau=0.9, temperature=0.0, max_steps_per_block=None, generator=None,
+                     commit_rule="confidence"):
     """Decode block by block; each step commits every masked position with confidence >= tau plus
     the most confident one (greedy if temperature == 0, else sampled from softmax(logits / T);
-    confidence = probability of the chosen token). At step max_steps_per_block - 1 (default B)
-    every remaining position is committed. Committed tokens are never revised."""
+    confidence = probability of the chosen token), or with commit_rule="prefix" the leftmost masked
+    position and the confident run after it (forward.commit_confident). At step
+    max_steps_per_block - 1 (default B) every remaining position is committed. Committed tokens are
+    never revised."""
     dev, B = model.device, block_size
     cap = max_steps_per_block or B
+    if commit_rule not in COMMIT_RULES:  # before any forward, not at the first step
+        raise ValueError(f"commit rule must be one of {COMMIT_RULES}, got {commit_rule!r}")
     ids, plen = left_pad(prompts, pad_token_id)
     ids, plen = ids.to(dev), plen.to(dev)
     b, P = ids.shape
@@ -143,7 +148,7 @@ def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, 
             pending = None
             n_forward, n_steps = n_forward + 1, n_steps + 1
             tok, lp, conf = pick_tokens(logits, temperature, generator=generator)
-            commit = commit_confident(conf, eligible, tau, force_all=s == cap - 1)
+            commit = commit_confident(conf, eligible, tau, force_all=s == cap - 1, rule=commit_rule)
             canvas = torch.where(commit, tok, canvas)
             step_of = torch.where(commit, s, step_of)
             lp_blk = torch.where(commit, lp, lp_blk)

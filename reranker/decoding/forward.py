@@ -72,17 +72,34 @@ def pick_tokens(logits, temperature=0.0, top_p=1.0, generator=None):
     return tokens, lp, lp.exp()
 
 
-def commit_confident(confidence, eligible, tau, force_all=False):
-    """Which positions to commit this step: every eligible (still masked) position whose confidence
-    is >= tau, plus the single most confident eligible position per row (progress guarantee).
+COMMIT_RULES = ("confidence", "prefix")
+
+
+def commit_confident(confidence, eligible, tau, force_all=False, rule="confidence"):
+    """Which positions to commit this step.
+
+    rule "confidence" (the paper's): every eligible (still masked) position whose confidence is
+    >= tau, plus the single most confident eligible position per row (progress guarantee).
+    rule "prefix": left to right. The leftmost eligible position is always committed, then each
+    following position while it is confident (>= tau) or already committed; the run stops at the
+    first unsure masked position. A token is then never committed while an earlier token of its
+    block is still unknown, which is what a trace whose later tokens depend on earlier ones (a
+    running best over counts) needs. With B = 1 it is AR decoding; with tau > 1, one token per step
+    in AR order (the model still sees the masked rest of its block).
 
     confidence: (b, B) float (probability of the chosen token); eligible: (b, B) bool.
     force_all commits every eligible position (used at the last allowed step of a block).
     """
+    if rule not in COMMIT_RULES:
+        raise ValueError(f"commit rule must be one of {COMMIT_RULES}, got {rule!r}")
     if force_all:
         return eligible.clone()
+    sure = eligible & (confidence >= tau)
+    if rule == "prefix":
+        leftmost = eligible & (eligible.int().cumsum(-1) == 1)
+        passable = ~eligible | sure | leftmost  # committed before, or committed now
+        return eligible & passable.int().cumprod(-1).bool()
     conf = confidence.masked_fill(~eligible, -1.0)
-    commit = eligible & (conf >= tau)
     best = conf.argmax(-1, keepdim=True)
     forced = torch.zeros_like(eligible).scatter(-1, best, True) & eligible
-    return commit | forced
+    return sure | forced
