@@ -363,6 +363,22 @@ def forward_cost_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str
     return out + [""]
 
 
+def train_cost_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
+    """docs/results/train-cost-<name>.json (reranker.training.precision.training_step_cost, `dgr2 train-cost`).
+
+    Schema: {"model", "machine": {...}, "batch_size", "length", "iters", "rows": [{"autocast",
+    "seconds": stats}], "speedup"}
+    """
+    m = r.get("machine") or {}
+    out = [f"### {name}", "",
+           f"One optimizer step (forward, backward, AdamW) of {r.get('model', '?')} on {_fmt(r.get('batch_size'))} "
+           f"sequences of {_fmt(r.get('length'))} tokens, settings interleaved per iteration, median [min–max] of "
+           f"{_fmt(r.get('iters'))}; {_fmt(m.get('torch_threads'))} torch threads on {_fmt(m.get('cpu_count'))} CPUs. "
+           + provenance(r), "", "| autocast | seconds per step |", "|---|---|"]
+    out += [f"| {x['autocast']} | {_stat(x.get('seconds'), 3)} |" for x in r.get("rows") or []]
+    return out + ["", f"Speed-up of the last setting: **{_fmt(r.get('speedup'), 2)}×**.", ""]
+
+
 def frontier_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
     """The τ frontier from diffusion-speed-<name>.json: Recall@1 vs decode tok/s, one point per τ and
     batch size, AR as reference. Needs "accuracy" in the file (see speed_section's schema)."""
@@ -581,6 +597,8 @@ SECTIONS = [
             "--out docs/results/diffusion-speed-<name>.json"),
     Section("Speed-up ceiling of exact block diffusion (forward cost)", "forward-cost-", forward_cost_section,
             "dgr2 forward-cost --size cpu --vocab 3032 --out docs/results/forward-cost-<name>.json"),
+    Section("Training step cost: float32 vs autocast bf16", "train-cost-", train_cost_section,
+            "dgr2 train-cost --size cpu --vocab 3032 --out docs/results/train-cost-<name>.json"),
     Section("Service load (gRPC)", "service-load", service_section,
             "dgr2 loadtest --target 127.0.0.1:50051 --requests <candidates.jsonl> --n 5000 --decoders ar,diffusion "
             "--concurrency 1,8,32 --out docs/results/service-load.json"),

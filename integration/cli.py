@@ -113,6 +113,31 @@ def cmd_forward_cost(args) -> int:
     return 0
 
 
+def cmd_train_cost(args) -> int:
+    import torch
+
+    from reranker.model import build_model
+    from reranker.speed import machine_info
+    from reranker.training.precision import training_step_cost
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    machine = machine_info()
+    rep = training_step_cost(build_model(args.vocab, args.size), args.batch_size, args.length, args.iters)
+    rep.update(kind="train-cost", machine={**machine, "torch_threads": torch.get_num_threads()},
+               model=f"random {args.size} Qwen3, vocab {args.vocab}")
+    for r in rep["rows"]:
+        print(f"autocast {r['autocast']:>4s}: {r['seconds']['median']:.3f} s per step "
+              f"[{r['seconds']['min']:.3f}-{r['seconds']['max']:.3f}]")
+    print(f"speed-up {rep['speedup']:.2f}x ({args.batch_size} sequences of {args.length} tokens)")
+    if args.out:
+        from .results import write_result
+
+        write_result(args.out, rep, _command())
+        print(f"results written to {args.out}")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from .bench import build_benchmarks
 
@@ -448,6 +473,15 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's current setting)")
     f.add_argument("--out", help="write docs/results/forward-cost-<name>.json")
     f.set_defaults(func=cmd_forward_cost)
+    tc = sub.add_parser("train-cost", help="one training step with and without autocast bf16, side by side")
+    tc.add_argument("--size", default="cpu", choices=["cpu", "tiny"])
+    tc.add_argument("--vocab", type=int, default=3032)
+    tc.add_argument("--batch-size", type=int, default=8)
+    tc.add_argument("--length", type=int, default=640, help="tokens per sequence (Beauty: ~403 prompt + ~239 answer)")
+    tc.add_argument("--iters", type=int, default=5)
+    tc.add_argument("--threads", type=int, default=None)
+    tc.add_argument("--out", help="write docs/results/train-cost-<name>.json")
+    tc.set_defaults(func=cmd_train_cost)
     e = sub.add_parser("eval", help="re-rank a split with a model and report metrics with CIs")
     e.add_argument("--model", required=True, help="model directory (AR or converted diffusion)")
     e.add_argument("--data", required=True, help="re-ranking data directory (dgr2 data build)")

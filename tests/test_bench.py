@@ -73,6 +73,9 @@ def fake_results():
         "stages-tiny": prov(test_users=10, tau=0.9, block_size=32, rows=rows, ablations=rows[4:5]),
         "diffusion-speed-tiny": speed_doc(),
         "forward-cost-tiny": forward_cost_doc(),
+        "train-cost-tiny": prov(kind="train-cost", model="random tiny", batch_size=2, length=8, iters=5,
+                                rows=[{"autocast": "none", "seconds": st(1.0)}, {"autocast": "bf16", "seconds": st(0.5)}],
+                                speedup=2.0),
         "service-load": prov(runs=[{"concurrency": c, "options": {"decoder": d}, "qps": q * c, "ok": 100,
                                     "errors": {}, "latency_ms": {"p50": 10.0, "p95": 20.0, "p99": 30.0},
                                     "mean_batch_size": 2.0, "fallback_rate": 0.0}
@@ -107,13 +110,14 @@ def test_every_section_renders_with_provenance_and_plots(tmp_path):
     assert "Not measured yet" not in md and "Could not render" not in md
     for sec in SECTIONS:
         assert f"## {sec.title}" in md
-    assert md.count("commit `abc1234`") >= 12 and "dgr2 fake --x" in md
+    assert md.count("commit `abc1234`") >= 13 and "dgr2 fake --x" in md
     assert "Command: not recorded" in md  # the baselines file carries no provenance
     assert "+CFT+OPD+RL" in md and "0.3340 (+0.0040 [-0.0060, +0.0140])" in md  # stage cell with CI vs AR
     assert "0.3301" in md and "0.3202" in md and "| sft | 12 |" in md
     assert "2.50 [2.25–2.75]" in md  # speed-up per repeat: median [min–max]
     assert "1.90× (6.08 [5.47–6.69] ms)" in md  # forward-cost ratio
     # 64 tokens = 2 blocks: one step (8) + one fused step (16) against 64 one-token steps (128); s = 2 adds 2 x 8
+    assert "| bf16 | 0.500 [0.450–0.550] |" in md and "**2.00×**" in md
     assert "4.00× / 8.00× → **5.33× / 3.20×**" in md and "| 8 | 2 | 3.20× | 1, 32 | 1 |" in md
     assert "SASRec + Diffusion-GR2 (τ = 0.9)" in md and "0.0452 (+0.0051 [+0.0010, +0.0090])" in md
     assert "`something-else.json`" in md

@@ -50,3 +50,15 @@ def test_bf16_step_matches_fp32_up_to_rounding(stage, sft_world, cft_world, tmp_
     assert len(losses["bf16"]) == len(losses["none"]) >= 1
     a, b = losses["none"][0], losses["bf16"][0]  # same weights, same batch: only the rounding differs
     assert a != b and abs(a - b) < 0.02 * abs(a), (a, b)
+
+
+def test_training_step_cost_reports_both_settings_and_keeps_the_weights():
+    from reranker.model import build_model
+    from reranker.training.precision import training_step_cost
+
+    model = build_model(40, "tiny")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rep = training_step_cost(model, batch_size=2, length=8, iters=2, warmup=1)
+    assert [r["autocast"] for r in rep["rows"]] == ["none", "bf16"] and all(r["seconds"]["n"] == 2 for r in rep["rows"])
+    assert rep["speedup"] == rep["rows"][0]["seconds"]["median"] / rep["rows"][1]["seconds"]["median"]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
