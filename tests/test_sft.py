@@ -202,3 +202,24 @@ def test_train_file_list_is_a_mix(world, tmp_path):
                   run_dir=tmp_path / "run", progress=False, device="cpu")
     assert s["status"] == "done" and s["optimizer_steps"] == 12 // 4
     assert [r["examples"] for r in read_metrics(tmp_path / "run", "data")] == [12]
+
+
+def test_unmasked_forward_equals_the_padding_masked_one(world):
+    """collate pads on the right, so dropping the padding mask changes no real token's logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from reranker.stages.sft import _forward
+    from reranker.training.batches import collate, encode_examples, read_jsonl
+
+    init, data = world
+    tok = AutoTokenizer.from_pretrained(str(init))
+    model = AutoModelForCausalLM.from_pretrained(str(init)).eval()
+    enc, _ = encode_examples(tok, read_jsonl(data / "train.jsonl"), 256)
+    b = collate(enc[:4], tok.pad_token_id)
+    assert (b["attention_mask"] == 0).any()  # the batch does have padding
+    with torch.no_grad():
+        masked = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                       position_ids=b["position_ids"], use_cache=False).logits
+        plain = _forward(model, b)
+    real = b["attention_mask"].bool()
+    torch.testing.assert_close(plain[real], masked[real], atol=1e-5, rtol=1e-5)

@@ -98,8 +98,10 @@ def _to(batch: dict, device) -> dict:
 
 
 def _forward(model, b: dict) -> torch.Tensor:
-    return model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                 position_ids=b["position_ids"], use_cache=False).logits
+    # No attention mask: collate pads on the right, so under causal attention no real token ever
+    # sees a pad (pads only follow it), and the pads' own outputs carry no loss. The unmasked path
+    # is the fused causal kernel, ~1.5x faster per step on CPU than an explicit padding mask.
+    return model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False).logits
 
 
 @torch.no_grad()
