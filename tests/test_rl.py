@@ -184,3 +184,30 @@ def test_interrupted_rl_resumes_to_the_same_steps(world, full_run, tmp_path, mon
     assert [r["step"] for r in b] == [1, 2, 3, 4]  # the lost iteration 3 is logged once, redone
     for x, y in zip(a, b):  # same draws (seeded per iteration), same updates
         assert x["reward_mean"] == y["reward_mean"] and x.get("optimizer_step") == y.get("optimizer_step")
+
+
+def test_replay_matches_decoding_under_the_prefix_commit_rule(world):
+    """Replay rebuilds each canvas from the recorded steps, so it holds for any commit rule."""
+    from reranker.rollouts import generate_rollouts, pad_samples
+
+    model, scorer, prompts, policy = _policy(*world, temperature=1.0)
+    policy.commit_rule = "prefix"
+    groups = generate_rollouts(policy, model, prompts, 4, scorer, torch.Generator().manual_seed(2), batch_size=8)
+    rollouts = [r for g in groups for r in g]
+    samples = [r.sample for r in rollouts]
+    for s in samples:  # left to right inside every block
+        st = s.trajectory.steps.view(-1, B)
+        for row in st:
+            row = row[row >= 0].tolist()
+            assert row == sorted(row)
+    assert max(int(s.trajectory.steps.max()) for s in samples) >= 1
+    old, _ = pad_samples(samples, "cpu")
+    new = policy.logprobs(model, [prompts[r.prompt].ids for r in rollouts], samples).detach()
+    committed = torch.zeros_like(old, dtype=torch.bool)
+    for i, s in enumerate(samples):
+        committed[i, :len(s.trajectory.steps)] = s.trajectory.committed
+    torch.testing.assert_close(new[committed], old[committed], atol=1e-5, rtol=0)
+    from reranker.stages.rl import DEFAULTS, check_config
+
+    with pytest.raises(ValueError, match="commit_rule"):
+        check_config({**DEFAULTS, "commit_rule": "nope"})

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from reranker.decoding import DiffusionResult, diffusion_decode, replay_logits
+from reranker.decoding.forward import COMMIT_RULES
 from reranker.decoding.forward import forward
 from reranker.distill import DIVERGENCES, TeacherLogits, cache_teacher, divergence
 from reranker.masks import block_causal_mask, pack_prompt_response, position_ids_for
@@ -67,6 +68,7 @@ DEFAULTS = {
     "temperature": 1.0,
     "max_new_tokens": 256,
     "max_steps_per_block": None,
+    "commit_rule": "confidence",  # the decoder's commit rule, as served (forward.commit_confident)
     "divergence": "forward_kl",  # forward_kl | reverse_kl | jsd
     "jsd_beta": 0.5,
     "top_k": 64,  # teacher cache: top-k logits + log-sum-exp; 0 = full logits
@@ -179,7 +181,8 @@ def make_rollouts(student, teacher, tok, prompts, cands, cfg, B, mask_id, ids, t
     eos, pad = ids
     res = diffusion_decode(student, prompts, int(cfg["max_new_tokens"]), B, mask_id, eos, pad_token_id=pad,
                            tau=float(cfg["tau"]), temperature=temperature,
-                           max_steps_per_block=cfg["max_steps_per_block"], generator=generator)
+                           max_steps_per_block=cfg["max_steps_per_block"], generator=generator,
+                           commit_rule=cfg.get("commit_rule", "confidence"))
     cache, tlp = teacher_scores(teacher, prompts, kept_responses(res.trajectories), pad, int(cfg["top_k"]))
     return Rollouts(prompts, res, cache, tlp, valid_json(tok, res.tokens, cands))
 
@@ -199,6 +202,8 @@ def check_config(cfg: dict) -> None:
     if int(cfg["top_k"]) < 0:
         raise ValueError(f"opd: top_k must be >= 0 (0 = full logits), got {cfg['top_k']}")
     check_autocast(cfg["autocast"])
+    if cfg["commit_rule"] not in COMMIT_RULES:
+        raise ValueError(f"opd: commit_rule must be one of {COMMIT_RULES}, got {cfg['commit_rule']!r}")
 
 
 def train_opd(ctx: StageContext) -> StageResult:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from reranker.convert import load_diffusion_config
 from reranker.decoding.diffusion import diffusion_decode
+from reranker.decoding.forward import COMMIT_RULES
 from reranker.decoding.replay import replay_logprobs
 from reranker.rollouts import Sample, Scorer
 from reranker.stages.ar_rl import DEFAULTS as AR_DEFAULTS
@@ -44,6 +45,7 @@ DEFAULTS.update({
     "tau": 0.9,  # commit threshold, as served
     "block_size": None,  # None: config.diffusion.block_size of the input model
     "max_steps_per_block": None,  # None: block_size (the decoder's default)
+    "commit_rule": "confidence",  # the decoder's commit rule, as served (forward.commit_confident)
     "action_tokens": "kept",
     "replay_max_windows": None,  # bound the noisy windows per replay forward (memory); same result
 })
@@ -55,6 +57,8 @@ def check_config(cfg: dict) -> None:
         raise ValueError(f"action_tokens must be one of {ACTION_TOKENS}, got {cfg['action_tokens']!r}")
     if not 0.0 < float(cfg["tau"]) <= 1.0:
         raise ValueError(f"tau must be in (0, 1], got {cfg['tau']}")
+    if cfg["commit_rule"] not in COMMIT_RULES:
+        raise ValueError(f"commit_rule must be one of {COMMIT_RULES}, got {cfg['commit_rule']!r}")
 
 
 class DiffusionPolicy:
@@ -62,15 +66,17 @@ class DiffusionPolicy:
     name = "diffusion"
 
     def __init__(self, block_size, mask_id, eos_id, pad_id, max_new_tokens, tau=0.9, temperature=1.0,
-                 max_steps_per_block=None, action_tokens="kept", max_windows=None):
+                 max_steps_per_block=None, action_tokens="kept", max_windows=None, commit_rule="confidence"):
         self.block_size, self.mask_id, self.eos_id, self.pad_id = block_size, mask_id, eos_id, pad_id
+        self.commit_rule = commit_rule
         self.max_new_tokens, self.tau, self.temperature = max_new_tokens, tau, temperature
         self.max_steps_per_block, self.action_tokens, self.max_windows = max_steps_per_block, action_tokens, max_windows
 
     def sample(self, model, prompt_ids, generator, greedy=False):
         res = diffusion_decode(model, prompt_ids, self.max_new_tokens, self.block_size, self.mask_id, self.eos_id,
                                self.pad_id, tau=self.tau, temperature=0.0 if greedy else self.temperature,
-                               max_steps_per_block=self.max_steps_per_block, generator=generator)
+                               max_steps_per_block=self.max_steps_per_block, generator=generator,
+                               commit_rule=self.commit_rule)
         out = []
         for toks, tr in zip(res.tokens, res.trajectories):
             actions = tr.committed & tr.kept if self.action_tokens == "kept" else tr.committed.clone()
@@ -89,7 +95,8 @@ def make_diffusion_policy(model, scorer: Scorer, cfg: dict) -> DiffusionPolicy:
                          "(reranker.convert.convert_to_diffusion / dgr2 convert)")
     return DiffusionPolicy(int(cfg["block_size"] or info["block_size"]), int(info["mask_token_id"]), scorer.eos_id,
                            scorer.pad_id, int(cfg["max_new_tokens"]), float(cfg["tau"]), float(cfg["temperature"]),
-                           cfg["max_steps_per_block"], cfg["action_tokens"], cfg["replay_max_windows"])
+                           cfg["max_steps_per_block"], cfg["action_tokens"], cfg["replay_max_windows"],
+                           cfg.get("commit_rule", "confidence"))
 
 
 class DiffusionRLStage(Stage):
