@@ -364,7 +364,7 @@ def forward_cost_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str
 
 
 def train_cost_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
-    """docs/results/train-cost-<name>.json (reranker.training.precision.training_step_cost, `dgr2 train-cost`).
+    """docs/results/train-cost-<name>.json (reranker.speed.training_step_cost, `dgr2 train-cost`).
 
     Schema: {"model", "machine": {...}, "batch_size", "length", "iters", "rows": [{"autocast",
     "seconds": stats}], "speedup"}

@@ -70,21 +70,24 @@ def cmd_results(args) -> int:
     return 0
 
 
+def _ints(s: str) -> tuple[int, ...]:
+    """A comma-separated CLI list ("1,8"; "" is empty)."""
+    return tuple(int(x) for x in s.split(",") if x.strip())
+
+
+def _floats(s: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in s.split(",") if x.strip())
+
+
 def cmd_speed(args) -> int:
     from reranker.speed import format_speed, run_speed_benchmark
-
-    def ints(s):
-        return tuple(int(x) for x in s.split(",") if x.strip())
-
-    def floats(s):
-        return tuple(float(x) for x in s.split(",") if x.strip())
 
     rep = run_speed_benchmark(
         args.ar, args.diffusion, args.data, args.out, n_prompts=args.n_prompts, split=args.split,
         command=_command(), accuracy=not args.no_accuracy, accuracy_limit=args.accuracy_limit,
-        batch_sizes=ints(args.batch_sizes), taus=floats(args.taus), block_size=args.block_size,
+        batch_sizes=_ints(args.batch_sizes), taus=_floats(args.taus), block_size=args.block_size,
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup, threads=args.threads,
-        lengths=ints(args.lengths), length_taus=floats(args.length_taus), forward_blocks=ints(args.forward_blocks),
+        lengths=_ints(args.lengths), length_taus=_floats(args.length_taus), forward_blocks=_ints(args.forward_blocks),
         progress=logging.getLogger("dgr2.speed").info, commit_rule=args.commit_rule)
     print(format_speed(rep))
     if args.out:
@@ -96,16 +99,13 @@ def cmd_forward_cost(args) -> int:
     from reranker.model import build_model, load_model
     from reranker.speed import format_forward_cost, run_forward_cost
 
-    def ints(s):
-        return tuple(int(x) for x in s.split(",") if x.strip())
-
     if bool(args.model) == bool(args.vocab):
         raise SystemExit("dgr2 forward-cost: give either --model DIR or --vocab N (with --size), not both")
     if args.model:
         model, name = load_model(args.model), f"model dir {Path(args.model).name}"
     else:
         model, name = build_model(args.vocab, args.size), f"random {args.size} Qwen3, vocab {args.vocab}"
-    rep = run_forward_cost(model, args.context, ints(args.batch_sizes), ints(args.block_sizes), args.length,
+    rep = run_forward_cost(model, args.context, _ints(args.batch_sizes), _ints(args.block_sizes), args.length,
                            args.iters, threads=args.threads, out_json=args.out, command=_command(), model_name=name)
     print(format_forward_cost(rep))
     if args.out:
@@ -117,8 +117,7 @@ def cmd_train_cost(args) -> int:
     import torch
 
     from reranker.model import build_model
-    from reranker.speed import machine_info
-    from reranker.training.precision import training_step_cost
+    from reranker.speed import machine_info, training_step_cost
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -24,7 +24,7 @@ from .answer import parse_ranking, permutation_or_fallback
 from .convert import load_diffusion_config
 from .decoding.ar import ar_decode
 from .decoding.diffusion import diffusion_decode
-from .decoding.forward import COMMIT_RULES
+from .decoding.forward import check_commit_rule
 from .evidence import CoPurchaseCounts, candidates_evidence
 from .prompt import render_prompt_messages, render_prompt_within_budget
 from .sid import SemanticIds
@@ -61,8 +61,7 @@ class DecodeOptions:
             raise ValueError(f"block_size must be in [1, 256], got {self.block_size}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.commit_rule not in COMMIT_RULES:
-            raise ValueError(f"commit_rule must be one of {COMMIT_RULES}, got {self.commit_rule!r}")
+        check_commit_rule(self.commit_rule, "commit_rule")
 
 
 @dataclass

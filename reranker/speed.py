@@ -21,6 +21,8 @@ What it measures (``measure_speed``), all greedy (temperature 0), same threads, 
 * **Forward-pass cost** (``forward_cost``): one forward of a one-token step vs a block step of
   8 / 16 / 32 tokens against a KV cache holding `context` columns, at batch 1 and 8 (DESIGN §5:
   speed-up ~= tokens committed per step / cost ratio). Variants are interleaved per iteration.
+* **Training-step cost** (``training_step_cost``, `dgr2 train-cost`): one optimizer step with and
+  without bf16 autocast, interleaved per iteration.
 * Optional accuracy per point: ``reranker.evaluate.evaluate`` with the AR engine and, per tau,
   the diffusion engine on given examples (Recall@1/@3, NDCG@3, valid rate, and the paired
   bootstrap CI of Recall@1 and NDCG@3 against AR).
@@ -39,6 +41,8 @@ spread of every number. Speed claims are ratios of runs made in the same process
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import gc
 import json
 import math
@@ -55,6 +59,7 @@ from .decoding.ar import ar_decode
 from .decoding.diffusion import diffusion_decode, prefill
 from .decoding.forward import crop, forward
 from .masks import block_causal_mask
+from .training.precision import autocast
 
 DEFAULT_TAUS = (1.0, 0.9, 0.8, 0.6, 0.4)
 DEFAULT_BATCH_SIZES = (1, 8)
@@ -85,6 +90,24 @@ def machine_info() -> dict:
             "transformers_version": transformers.__version__, "python": platform.python_version(),
             "platform": platform.platform(terse=True), "processor": platform.machine(),
             "load_average": [round(x, 2) for x in load] if load else None}
+
+
+@contextlib.contextmanager
+def measured_machine(threads=None):
+    """Run a measurement with `threads` torch threads (restored after) and record the machine: yields
+    machine_info() with load_average_start; on exit it also holds torch_threads (as measured) and
+    load_average_end."""
+    old = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(int(threads))
+    machine = machine_info()
+    machine["load_average_start"] = machine.pop("load_average")
+    try:
+        yield machine
+        machine["torch_threads"] = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(old)
+    machine["load_average_end"] = machine_info()["load_average"]
 
 
 def _first_id(x):
@@ -246,6 +269,38 @@ def forward_cost(model, context, batch_sizes=DEFAULT_BATCH_SIZES, block_sizes=DE
     return {"context": int(context), "iters": iters, "warmup": warmup, "rows": rows}
 
 
+def training_step_cost(model, batch_size=8, length=640, iters=5, warmup=1, seed=0, settings=("none", "bf16")) -> dict:
+    """Wall time of one optimizer step (forward, backward, AdamW) of `model` on random tokens, per
+    autocast setting, interleaved per iteration so both see the same machine noise. The model's
+    weights are restored after each step, so every iteration times the same computation.
+    Returns {"batch_size", "length", "iters", "rows": [{"autocast", "seconds": stats}], "speedup"}
+    with speedup = median "none" / median of the last setting."""
+    vocab = model.get_input_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch_size, length), generator=g).to(model.device)
+    state = copy.deepcopy(model.state_dict())
+    model.train()
+    times = {s: [] for s in settings}
+    for it in range(warmup + iters):
+        for s in settings:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            t0 = time.perf_counter()
+            with autocast(s, model.device):
+                logits = model(input_ids=ids, use_cache=False).logits
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, vocab), ids[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            dt = time.perf_counter() - t0
+            model.load_state_dict(state)
+            if it >= warmup:
+                times[s].append(dt)
+    rows = [{"autocast": s, "seconds": stats(times[s])} for s in settings]
+    med = {r["autocast"]: r["seconds"]["median"] for r in rows}
+    return {"batch_size": batch_size, "length": length, "iters": iters, "rows": rows,
+            "speedup": med[settings[0]] / med[settings[-1]]}
+
+
 def speedup_ceiling(fc: dict, length: int, steps_per_block=(1, 2)) -> dict:
     """The most an EXACT block-diffusion decoder can gain over AR, from a forward_cost report with
     fused timings, for answers of `length` tokens when every block takes s denoising steps: the first
@@ -356,52 +411,43 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
         pad_token_id = _first_id(ar_model.config.pad_token_id)
         pad_token_id = eos_token_id if pad_token_id is None else pad_token_id
     prompts = [list(map(int, p)) for p in prompts]
-    old_threads = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(int(threads))
     ar_model.eval()
     diff_model.eval()
     taus = tuple(float(t) for t in taus)
     kw = dict(eos=eos_token_id, pad=pad_token_id, block_size=block_size, mask_token_id=mask_token_id,
               max_steps_per_block=max_steps_per_block, progress=progress, commit_rule=commit_rule)
-    machine_start = machine_info()
     t_start = time.perf_counter()
     gc.collect()
     gc.freeze()  # long-lived objects (models, modules) leave the collector: cheap young-generation passes
     try:
-        batches = []
-        for b in batch_sizes:
-            ar, points = _interleaved(ar_model, diff_model, prompts, int(b), taus, max_new_tokens, repeats, warmup,
-                                      **kw)
-            batches.append({"batch_size": int(b), "ar": ar, "points": points})
-        length_curve = []
-        for L in lengths:
-            for b in (length_batch_sizes or batch_sizes):
-                ar, points = _interleaved(ar_model, diff_model, prompts, int(b), tuple(float(t) for t in length_taus),
-                                          int(L), repeats, warmup, **{**kw, "eos": NO_EOS}, exact_length=int(L))
-                length_curve.append({"length": int(L), "batch_size": int(b), "ar": ar, "points": points})
-        fwd = None
-        if forward_blocks:
-            ctx = int(context or round(float(np.mean([len(p) for p in prompts]))))
-            fwd = forward_cost(diff_model, ctx, batch_sizes, forward_blocks, iters=max(forward_iters, repeats))
-        acc = None
-        if accuracy is not None:
-            engine_ar, engine_diff, examples = accuracy
-            acc = accuracy_points(engine_ar, engine_diff, examples, taus, block_size, max_new_tokens,
-                                  accuracy_batch_size, commit_rule=commit_rule)
-            by_tau = {p["tau"]: p for p in acc["diffusion"]}
-            for row in batches:
-                row["ar"].update({"recall@1": acc["ar"]["recall@1"], "valid_rate": acc["ar"]["valid_rate"]})
-                for p in row["points"]:
-                    p.update({"recall@1": by_tau[p["tau"]]["recall@1"], "valid_rate": by_tau[p["tau"]]["valid_rate"]})
-        threads_used = torch.get_num_threads()
+        with measured_machine(threads) as machine:
+            batches = []
+            for b in batch_sizes:
+                ar, points = _interleaved(ar_model, diff_model, prompts, int(b), taus, max_new_tokens, repeats, warmup,
+                                          **kw)
+                batches.append({"batch_size": int(b), "ar": ar, "points": points})
+            length_curve = []
+            for L in lengths:
+                for b in (length_batch_sizes or batch_sizes):
+                    ar, points = _interleaved(ar_model, diff_model, prompts, int(b), tuple(float(t) for t in length_taus),
+                                              int(L), repeats, warmup, **{**kw, "eos": NO_EOS}, exact_length=int(L))
+                    length_curve.append({"length": int(L), "batch_size": int(b), "ar": ar, "points": points})
+            fwd = None
+            if forward_blocks:
+                ctx = int(context or round(float(np.mean([len(p) for p in prompts]))))
+                fwd = forward_cost(diff_model, ctx, batch_sizes, forward_blocks, iters=max(forward_iters, repeats))
+            acc = None
+            if accuracy is not None:
+                engine_ar, engine_diff, examples = accuracy
+                acc = accuracy_points(engine_ar, engine_diff, examples, taus, block_size, max_new_tokens,
+                                      accuracy_batch_size, commit_rule=commit_rule)
+                by_tau = {p["tau"]: p for p in acc["diffusion"]}
+                for row in batches:
+                    row["ar"].update({"recall@1": acc["ar"]["recall@1"], "valid_rate": acc["ar"]["valid_rate"]})
+                    for p in row["points"]:
+                        p.update({"recall@1": by_tau[p["tau"]]["recall@1"], "valid_rate": by_tau[p["tau"]]["valid_rate"]})
     finally:
         gc.unfreeze()
-        torch.set_num_threads(old_threads)
-    machine = dict(machine_start)
-    machine["load_average_start"] = machine.pop("load_average")
-    machine["load_average_end"] = machine_info()["load_average"]
-    machine["torch_threads"] = threads_used
     return {
         "kind": "diffusion-speed",
         "machine": machine,
@@ -507,18 +553,9 @@ def run_forward_cost(model, context=403, batch_sizes=(1, 2, 4, 8, 32), block_siz
 
         dgr2 forward-cost --size cpu --vocab 3032 --out docs/results/forward-cost-cpu.json
     """
-    old_threads = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(int(threads))
-    try:
-        machine = machine_info()
-        machine["load_average_start"] = machine.pop("load_average")
-        t0 = time.perf_counter()
+    t0 = time.perf_counter()
+    with measured_machine(threads) as machine:
         fc = forward_cost(model.eval(), context, batch_sizes, block_sizes, iters=iters, warmup=warmup, fused=True)
-        machine["torch_threads"] = torch.get_num_threads()
-    finally:
-        torch.set_num_threads(old_threads)
-    machine["load_average_end"] = machine_info()["load_average"]
     rep = {"kind": "forward-cost", "machine": machine,
            "settings": {"context": int(context), "length": int(length), "batch_sizes": [int(b) for b in batch_sizes],
                         "block_sizes": [int(b) for b in block_sizes], "iters": iters, "warmup": warmup,

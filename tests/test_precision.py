@@ -54,7 +54,7 @@ def test_bf16_step_matches_fp32_up_to_rounding(stage, sft_world, cft_world, tmp_
 
 def test_training_step_cost_reports_both_settings_and_keeps_the_weights():
     from reranker.model import build_model
-    from reranker.training.precision import training_step_cost
+    from reranker.speed import training_step_cost
 
     model = build_model(40, "tiny")
     before = {k: v.clone() for k, v in model.state_dict().items()}

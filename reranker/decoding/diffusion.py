@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..masks import block_causal_mask, clean_block_ids, left_pad, position_ids_for
-from .forward import COMMIT_RULES, commit_confident, crop, forward, new_cache, pick_tokens, select_rows
+from .forward import check_commit_rule, commit_confident, crop, forward, new_cache, pick_tokens, select_rows
 
 
 @dataclass
@@ -113,8 +113,7 @@ def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, 
     never revised."""
     dev, B = model.device, block_size
     cap = max_steps_per_block or B
-    if commit_rule not in COMMIT_RULES:  # before any forward, not at the first step
-        raise ValueError(f"commit rule must be one of {COMMIT_RULES}, got {commit_rule!r}")
+    check_commit_rule(commit_rule)  # before any forward, not at the first step
     ids, plen = left_pad(prompts, pad_token_id)
     ids, plen = ids.to(dev), plen.to(dev)
     b, P = ids.shape

@@ -75,6 +75,12 @@ def pick_tokens(logits, temperature=0.0, top_p=1.0, generator=None):
 COMMIT_RULES = ("confidence", "prefix")
 
 
+def check_commit_rule(rule, name="commit rule") -> None:
+    """The one check of a commit-rule setting; `name` is what the error calls it."""
+    if rule not in COMMIT_RULES:
+        raise ValueError(f"{name} must be one of {COMMIT_RULES}, got {rule!r}")
+
+
 def commit_confident(confidence, eligible, tau, force_all=False, rule="confidence"):
     """Which positions to commit this step.
 
@@ -90,8 +96,7 @@ def commit_confident(confidence, eligible, tau, force_all=False, rule="confidenc
     confidence: (b, B) float (probability of the chosen token); eligible: (b, B) bool.
     force_all commits every eligible position (used at the last allowed step of a block).
     """
-    if rule not in COMMIT_RULES:
-        raise ValueError(f"commit rule must be one of {COMMIT_RULES}, got {rule!r}")
+    check_commit_rule(rule)
     if force_all:
         return eligible.clone()
     sure = eligible & (confidence >= tau)

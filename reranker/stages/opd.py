@@ -34,8 +34,7 @@ from pathlib import Path
 import torch
 
 from reranker.decoding import DiffusionResult, diffusion_decode, replay_logits
-from reranker.decoding.forward import COMMIT_RULES
-from reranker.decoding.forward import forward
+from reranker.decoding.forward import check_commit_rule, forward
 from reranker.distill import DIVERGENCES, TeacherLogits, cache_teacher, divergence
 from reranker.masks import block_causal_mask, pack_prompt_response, position_ids_for
 from reranker.stages.base import Stage, StageContext, StageResult
@@ -202,8 +201,7 @@ def check_config(cfg: dict) -> None:
     if int(cfg["top_k"]) < 0:
         raise ValueError(f"opd: top_k must be >= 0 (0 = full logits), got {cfg['top_k']}")
     check_autocast(cfg["autocast"])
-    if cfg["commit_rule"] not in COMMIT_RULES:
-        raise ValueError(f"opd: commit_rule must be one of {COMMIT_RULES}, got {cfg['commit_rule']!r}")
+    check_commit_rule(cfg["commit_rule"], "opd: commit_rule")
 
 
 def train_opd(ctx: StageContext) -> StageResult:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from reranker.convert import load_diffusion_config
 from reranker.decoding.diffusion import diffusion_decode
-from reranker.decoding.forward import COMMIT_RULES
+from reranker.decoding.forward import check_commit_rule
 from reranker.decoding.replay import replay_logprobs
 from reranker.rollouts import Sample, Scorer
 from reranker.stages.ar_rl import DEFAULTS as AR_DEFAULTS
@@ -57,8 +57,7 @@ def check_config(cfg: dict) -> None:
         raise ValueError(f"action_tokens must be one of {ACTION_TOKENS}, got {cfg['action_tokens']!r}")
     if not 0.0 < float(cfg["tau"]) <= 1.0:
         raise ValueError(f"tau must be in (0, 1], got {cfg['tau']}")
-    if cfg["commit_rule"] not in COMMIT_RULES:
-        raise ValueError(f"commit_rule must be one of {COMMIT_RULES}, got {cfg['commit_rule']!r}")
+    check_commit_rule(cfg["commit_rule"], "commit_rule")
 
 
 class DiffusionPolicy:
