@@ -196,7 +196,7 @@ def test_train_file_list_is_a_mix(world, tmp_path):
         read_train_records(data, [])
     with pytest.raises(ValueError, match="expected file paths"):
         read_train_records(data, ["train.jsonl", 3])
-    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl.*read from the data directory"):
         read_train_records(data, ["train.jsonl", "nope.jsonl"])
     s = run_stage("sft", init, tmp_path / "sft", data, {**FAST, "epochs": 1, "train_file": ["train.jsonl", str(extra)]},
                   run_dir=tmp_path / "run", progress=False, device="cpu")

@@ -36,7 +36,12 @@ def read_train_records(data_dir: Path, train_file, limit: int | None = None) -> 
     for f in files:
         if not isinstance(f, (str, Path)):
             raise ValueError(f"train_file: expected file paths, got {f!r}")
-        records += read_jsonl(data_dir / f)
+        path = Path(data_dir) / f  # an absolute f stays itself
+        if not path.is_file():
+            raise FileNotFoundError(f"train_file {str(f)!r}: {path} not found (relative train_file paths are "
+                                    f"read from the data directory {data_dir}; give an absolute path for a "
+                                    "file elsewhere)")
+        records += read_jsonl(path)
     return records[:limit] if limit is not None else records
 
 
