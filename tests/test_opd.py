@@ -21,7 +21,7 @@ from reranker.training.checkpoint import FAULT_ENV
 from reranker.training.logging import read_metrics
 
 torch.set_num_threads(1)
-ROLL = {"max_new_tokens": 20, "tau": 0.9, "max_steps_per_block": None, "top_k": 64}
+ROLL = {"max_new_tokens": 20, "tau": 0.9, "max_steps_per_block": None, "commit_rule": "confidence", "top_k": 64}
 
 
 @pytest.fixture(scope="module")

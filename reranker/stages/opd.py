@@ -181,7 +181,7 @@ def make_rollouts(student, teacher, tok, prompts, cands, cfg, B, mask_id, ids, t
     res = diffusion_decode(student, prompts, int(cfg["max_new_tokens"]), B, mask_id, eos, pad_token_id=pad,
                            tau=float(cfg["tau"]), temperature=temperature,
                            max_steps_per_block=cfg["max_steps_per_block"], generator=generator,
-                           commit_rule=cfg.get("commit_rule", "confidence"))
+                           commit_rule=cfg["commit_rule"])
     cache, tlp = teacher_scores(teacher, prompts, kept_responses(res.trajectories), pad, int(cfg["top_k"]))
     return Rollouts(prompts, res, cache, tlp, valid_json(tok, res.tokens, cands))
 

@@ -95,7 +95,7 @@ def make_diffusion_policy(model, scorer: Scorer, cfg: dict) -> DiffusionPolicy:
     return DiffusionPolicy(int(cfg["block_size"] or info["block_size"]), int(info["mask_token_id"]), scorer.eos_id,
                            scorer.pad_id, int(cfg["max_new_tokens"]), float(cfg["tau"]), float(cfg["temperature"]),
                            cfg["max_steps_per_block"], cfg["action_tokens"], cfg["replay_max_windows"],
-                           cfg.get("commit_rule", "confidence"))
+                           cfg["commit_rule"])
 
 
 class DiffusionRLStage(Stage):
