@@ -361,7 +361,7 @@ def cmd_e2e(args) -> int:
     rerankers = [parse_reranker(s) for s in args.reranker]
     if args.add_to and not (args.out and Path(args.out).is_file()):
         raise FileNotFoundError(f"--add-to needs an existing --out file, got {args.out!r}")
-    res = run_e2e(cfg, rerankers, args.users, args.seed, args.batch_size, args.tau)
+    res = run_e2e(cfg, rerankers, args.users, args.seed, args.batch_size, args.tau, commit_rule=args.commit_rule)
     command = _command()
     if args.add_to:
         from .e2e import merge_into
@@ -552,6 +552,9 @@ def build_parser() -> argparse.ArgumentParser:
     ee.add_argument("--seed", type=int, default=0, help="seed of the user sample")
     ee.add_argument("--batch-size", type=int, default=32, help="re-ranker decode batch size")
     ee.add_argument("--tau", type=float, default=0.9, help="diffusion confidence threshold")
+    ee.add_argument("--commit-rule", default="confidence", choices=["confidence", "prefix"],
+                    help="diffusion: commit every confident position (the paper's), or only the leftmost masked "
+                         "one and the confident run after it")
     ee.add_argument("--out", help="write the result to this docs/results JSON file (recbole-e2e-<name>.json)")
     ee.add_argument("--add-to", action="store_true",
                     help="add these rows to the existing --out file (same users; its SASRec-alone row must match)")

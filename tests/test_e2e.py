@@ -59,21 +59,26 @@ def test_rerankers_on_a_seeded_user_sample(world, monkeypatch, tmp_path):
     cfg, out = world
     from reranker.engine import RerankEngine
 
-    # A third "model" that reverses SASRec's top-10, to check the rewritten order and the counters.
+    # A third "model" that reverses SASRec's top-10, to check the rewritten order and the counters,
+    # and that the decode options reach the engine.
     load = RerankEngine.load
     reverse_dir = tmp_path / "reverse"
     reverse_dir.mkdir()
+    reverse = ReverseEngine()
     monkeypatch.setattr(RerankEngine, "load", staticmethod(
-        lambda model_dir, data: ReverseEngine() if str(model_dir) == str(reverse_dir) else load(model_dir, data)))
+        lambda model_dir, data: reverse if str(model_dir) == str(reverse_dir) else load(model_dir, data)))
     rerankers = [("AR GR2", str(out / "models" / "ar"), "ar"),
                  ("Diffusion-GR2", str(out / "models" / "diff"), "diffusion"),
-                 ("reverse", str(reverse_dir), "ar")]
-    res = run_e2e(cfg, rerankers, 40, seed=1, batch_size=8, tau=0.8, progress=False)
+                 ("reverse", str(reverse_dir), "diffusion")]
+    res = run_e2e(cfg, rerankers, 40, seed=1, batch_size=8, tau=0.8, progress=False, commit_rule="prefix")
     n_total, _, _ = faiss_metrics(out)
     assert (res["n_users"], res["n_users_total"], res["user_sample_seed"]) == (40, n_total, 1)
     alone, ar, diff, rev = res["rows"]
     assert [r["name"] for r in res["rows"]] == ["SASRec alone", "AR GR2", "Diffusion-GR2", "reverse"]
     assert (ar["decoder"], ar["tau"], diff["decoder"], diff["tau"]) == ("ar", None, "diffusion", 0.8)
+    assert (ar["commit_rule"], diff["commit_rule"]) == (None, "prefix")
+    opts = reverse.options
+    assert (opts.decoder, opts.tau, opts.commit_rule) == ("diffusion", 0.8, "prefix")
 
     # The sample is the full evaluation restricted to the sampled users: SASRec alone matches the
     # retrieval stage's own masked lists for exactly those users.

@@ -43,6 +43,8 @@ class ReverseEngine:
     def rerank(self, requests, options=None):
         from types import SimpleNamespace
 
+        self.options = options  # what the RecBole model asked for, for tests of the config plumbing
+
         return [SimpleNamespace(permutation=list(range(len(r.candidates)))[::-1], fallback=False) for r in requests]
 
 
