@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from reranker.convert import convert_to_diffusion
+from reranker.convert import convert_to_diffusion, load_diffusion_config
 from reranker.model import SIZES, build_model, save_model
 from reranker.prompt import render_assistant
 from reranker.sid import build_semantic_ids
@@ -76,6 +76,10 @@ def test_measure_speed_reports_every_field(parts):
             assert p["speedup"] == pytest.approx(p["tokens_per_second"]["median"] / ar["tokens_per_second"]["median"])
             sp = p["speedup_paired"]
             assert sp["n"] == 3 and sp["min"] <= sp["median"] <= sp["max"]
+            dec = ar["decode_tokens_per_second"]["median"]
+            assert p["decode_speedup"] == pytest.approx(p["decode_tokens_per_second"]["median"] / dec)
+            assert p["decode_speedup_paired"]["n"] == 3
+            assert 0 < p["prefill_seconds"]["median"] < p["seconds"]["median"]
             assert 0.0 <= p["same_tokens_as_ar"] <= 1.0 and p["deterministic"]
     # output-length curve: EOS disabled, exactly L tokens per row for both decoders
     assert [(r["length"], r["batch_size"]) for r in rep["length_curve"]] == [(8, 2), (12, 2)]
@@ -103,6 +107,20 @@ def test_tau_one_block_one_reproduces_ar_and_counts_passes(parts):
     # the diffusion prefill covers the prompt but its last column and yields no token: one extra pass
     assert p["forward_passes_per_token"] == pytest.approx((L + 1) / L)
     assert p["tokens_per_step"] == 1.0
+
+
+def test_decode_phase_leaves_out_the_prefill_and_its_tokens(parts):
+    from reranker.speed import _run
+
+    prompts = parts["prompts"]
+    for kind, model, first in (("ar", parts["model"], 1), ("diffusion", parts["dmodel"], 0)):
+        r = _run(kind, model, prompts, 2, 6, NO_EOS, 0, tau=0.9, block_size=4,
+                 mask_token_id=load_diffusion_config(parts["dmodel"])["mask_token_id"])
+        assert r["generated_tokens"] == 6 * len(prompts)
+        assert 0 < r["prefill_seconds"] < r["seconds"]
+        # AR's prefill already yields each row's first token; the diffusion prefill yields none
+        want = (6 - first) * len(prompts) / (r["seconds"] - r["prefill_seconds"])
+        assert r["decode_tokens_per_second"] == pytest.approx(want)
 
 
 def test_run_speed_benchmark_writes_result_with_accuracy(parts, tmp_path, monkeypatch):

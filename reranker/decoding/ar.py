@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..masks import block_causal_mask, left_pad, position_ids_for
-from .forward import forward, new_cache, pick_tokens, select_rows
+from .forward import clock, forward, new_cache, pick_tokens, select_rows
 
 
 @dataclass
@@ -17,6 +17,7 @@ class ARResult:
     tokens: list       # per row: generated ids, up to and including EOS
     logprobs: list     # per row: float tensor, log p(token) under softmax(logits / T)
     n_forward: int     # model forward passes (prefill included)
+    prefill_seconds: float = 0.0  # wall time of the prompt prefill (it also yields the first token)
 
 
 @torch.no_grad()
@@ -34,8 +35,10 @@ def ar_decode(model, prompts, max_new_tokens, eos_token_id, pad_token_id=0, temp
     blk = torch.arange(P, device=dev)  # causal = one-token blocks
     grp = torch.zeros(P, dtype=torch.long, device=dev)
     valid = torch.arange(P, device=dev)[None] >= (P - plen)[:, None]
+    t0 = clock(dev)
     mask = block_causal_mask(blk, grp, blk, grp, valid)
     logits = forward(model, ids, position_ids_for(plen, P, P), mask, cache, logits_to_keep=1)[:, -1]
+    prefill_seconds = clock(dev) - t0
     n_forward = 1
     rows = torch.arange(b, device=dev)  # original index of each active row
     out_tok = [[] for _ in range(b)]
@@ -59,4 +62,4 @@ def ar_decode(model, prompts, max_new_tokens, eos_token_id, pad_token_id=0, temp
         pos = (col - (P - plen))[:, None]
         logits = forward(model, tok[:, None], pos, mask, cache)[:, -1]
         n_forward += 1
-    return ARResult(out_tok, [torch.tensor(x) for x in out_lp], n_forward)
+    return ARResult(out_tok, [torch.tensor(x) for x in out_lp], n_forward, prefill_seconds)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..masks import block_causal_mask, clean_block_ids, left_pad, position_ids_for
-from .forward import check_commit_rule, commit_confident, crop, forward, new_cache, pick_tokens, select_rows
+from .forward import check_commit_rule, clock, commit_confident, crop, forward, new_cache, pick_tokens, select_rows
 
 
 @dataclass
@@ -54,6 +54,7 @@ class DiffusionResult:
     n_forward: int          # model forward passes (prefill included)
     n_steps: int            # block steps run (each one forward over the active rows)
     steps_per_block: list   # per row: steps its blocks needed
+    prefill_seconds: float = 0.0  # wall time of the prompt prefill (it yields no token)
 
 
 def prefill(model, ids, plen):
@@ -72,10 +73,16 @@ def prefill(model, ids, plen):
     return cache, blk, valid, 1
 
 
-def block_step(model, cache, cache_blk, cache_valid, window, window_pos, window_blk, pending=None):
+def block_step(model, cache, cache_blk, cache_valid, window, window_pos, window_blk, pending=None, keep=None):
     """One denoising step of a noisy window against the cache; returns (logits (b, B, V),
     cache_blk, cache_valid). If `pending` = (ids, pos, blk) of the previous block's clean window is
-    given, it is written to the cache in the same forward; the window's own KVs are cropped."""
+    given, it is written to the cache in the same forward; the window's own KVs are cropped.
+
+    keep: window columns (1D long tensor) whose logits are wanted; the logits are then (b, len(keep),
+    V). The vocabulary projection is a fifth of this model's per-column compute and committed
+    columns (and the clean half of a fused step) never need it, so the decoder asks only for the
+    columns some row still has masked. Every column still runs through the layers: its KVs are what
+    the other columns attend to."""
     b, B = window.shape
     dev = window.device
     ids, pos, q_blk = window, window_pos, torch.full((B,), window_blk, device=dev)
@@ -88,11 +95,14 @@ def block_step(model, cache, cache_blk, cache_valid, window, window_pos, window_
     kv_blk = torch.cat([cache_blk, q_blk])
     kv_grp = torch.cat([torch.zeros_like(cache_blk), q_grp])
     kv_valid = torch.cat([cache_valid, torch.ones(b, len(q_blk), dtype=torch.bool, device=dev)], 1)
-    logits = forward(model, ids, pos, block_causal_mask(q_blk, q_grp, kv_blk, kv_grp, kv_valid), cache)
+    offset = len(q_blk) - B  # the noisy window is the last B columns
+    keep = torch.arange(B, device=dev) if keep is None else keep.to(dev)
+    logits = forward(model, ids, pos, block_causal_mask(q_blk, q_grp, kv_blk, kv_grp, kv_valid), cache,
+                     logits_to_keep=keep + offset)
     crop(cache, B)
     if pending is not None:
         cache_blk, cache_valid = kv_blk[:-B], kv_valid[:, :-B]
-    return logits[:, -B:], cache_blk, cache_valid
+    return logits, cache_blk, cache_valid
 
 
 def _first_eos(canvas, step_of, eos_id):
@@ -118,7 +128,9 @@ def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, 
     ids, plen = ids.to(dev), plen.to(dev)
     b, P = ids.shape
     pre = P - 1
+    t0 = clock(dev)
     cache, cache_blk, cache_valid, n_forward = prefill(model, ids, plen)
+    prefill_seconds = clock(dev) - t0
     last, pad_left = ids[:, -1], P - plen
     rows = torch.arange(b, device=dev)
     n_blocks = math.ceil(max_new_tokens / B)
@@ -142,11 +154,15 @@ def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, 
             if not eligible.any():
                 break
             window = torch.cat([last[:, None], canvas[:, :-1]], 1)
+            cols = eligible.any(0).nonzero().squeeze(1)  # columns some row still needs
             logits, cache_blk, cache_valid = block_step(model, cache, cache_blk, cache_valid, window, win_pos,
-                                                        pre + k, pending)
+                                                        pre + k, pending, keep=cols)
             pending = None
             n_forward, n_steps = n_forward + 1, n_steps + 1
-            tok, lp, conf = pick_tokens(logits, temperature, generator=generator)
+            tok_c, lp_c, conf_c = pick_tokens(logits, temperature, generator=generator)
+            # Back to block columns; columns without logits are not eligible, so never committed.
+            tok, lp, conf = canvas.clone(), torch.zeros_like(lp_blk), torch.zeros_like(lp_blk)
+            tok[:, cols], lp[:, cols], conf[:, cols] = tok_c, lp_c, conf_c
             commit = commit_confident(conf, eligible, tau, force_all=s == cap - 1, rule=commit_rule)
             canvas = torch.where(commit, tok, canvas)
             step_of = torch.where(commit, s, step_of)
@@ -176,4 +192,4 @@ def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, 
         end = math.ceil(n / B) * B
         tokens.append(traj_tok[r, :n].tolist())
         trajs.append(Trajectory(traj_tok[r, :end].cpu(), traj_step[r, :end].cpu(), traj_lp[r, :end].cpu(), n, B))
-    return DiffusionResult(tokens, trajs, n_forward, n_steps, steps_per_block)
+    return DiffusionResult(tokens, trajs, n_forward, n_steps, steps_per_block, prefill_seconds)

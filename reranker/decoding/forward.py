@@ -5,9 +5,18 @@ makes B = 1 block diffusion reproduce AR decoding token for token, and replay re
 (log-probs within float32 round-off).
 """
 import inspect
+import time
 
 import torch
 from transformers import DynamicCache
+
+
+def clock(device) -> float:
+    """Wall seconds, after the device's queued work is done (CUDA runs asynchronously), so the
+    decoders can report how much of a call was the prompt prefill."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _cache_kwarg(model):
