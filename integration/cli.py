@@ -174,12 +174,16 @@ cmd_demo = cmd_pipeline
 
 def cmd_eval(args) -> int:
     from reranker.engine import DecodeOptions
-    from reranker.evaluate import evaluate_dirs, format_report
+    from reranker.evaluate import evaluate_dirs, format_report, write_outputs
 
     opts = DecodeOptions(decoder=args.decoder, tau=args.tau, block_size=args.block_size,
                          max_new_tokens=args.max_new_tokens, commit_rule=args.commit_rule)
-    rep = evaluate_dirs(args.model, args.data, args.split, opts, args.batch_size, args.limit)
+    rep = evaluate_dirs(args.model, args.data, args.split, opts, args.batch_size, args.limit,
+                        keep_outputs=bool(args.outputs))
     print(format_report(rep))
+    if args.outputs:
+        write_outputs(args.outputs, rep.pop("outputs"))  # beside the report, not inside it
+        print(f"per-example outputs written to {args.outputs}")
     if args.out:
         from .results import write_result
 
@@ -495,6 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=int, default=8)
     e.add_argument("--limit", type=int, default=None, help="evaluate the first N examples only")
     e.add_argument("--out", help="write the report to this docs/results JSON file")
+    e.add_argument("--outputs", help="write each example's generated text, parse result and failure kind to this "
+                                     "JSONL file")
     e.set_defaults(func=cmd_eval)
     c = sub.add_parser("convert", help="convert an AR model directory into a block-diffusion model")
     c.add_argument("--from", dest="src", required=True)

@@ -48,8 +48,10 @@ def evaluate(engine: RerankEngine, examples: list[dict], options: DecodeOptions,
             gen_tokens += r.generated_tokens
             if r.failure:
                 failures[r.failure] += 1
-            if keep_outputs:
-                outputs.append({"text": r.text, "permutation": r.permutation, "valid": r.valid})
+        if keep_outputs:
+            for ex, r in zip(chunk, results):
+                outputs.append({"user": ex.get("user"), "target_index": int(ex["target_index"]), "valid": r.valid,
+                                "failure": r.failure, "permutation": r.permutation, "text": r.text})
         bar.update(len(chunk))
     bar.close()
     n = len(examples)
@@ -78,12 +80,22 @@ def evaluate(engine: RerankEngine, examples: list[dict], options: DecodeOptions,
 
 
 def evaluate_dirs(model_dir, data_dir, split: str = "test", options: DecodeOptions | None = None,
-                  batch_size: int = 8, limit: int | None = None, progress: bool = True) -> dict:
+                  batch_size: int = 8, limit: int | None = None, progress: bool = True,
+                  keep_outputs: bool = False) -> dict:
     engine = RerankEngine.load(model_dir, data_dir)
     examples = load_examples(Path(data_dir) / f"{split}.jsonl", limit)
-    report = evaluate(engine, examples, options or DecodeOptions(), batch_size, progress)
+    report = evaluate(engine, examples, options or DecodeOptions(), batch_size, progress, keep_outputs)
     report.update({"model": str(model_dir), "data": str(data_dir), "split": split})
     return report
+
+
+def write_outputs(path, outputs: list[dict]) -> Path:
+    """One JSON line per example (user, target_index, valid, failure, permutation, the generated
+    text), in split order, written to a temp file and renamed: what `dgr2 eval --outputs` keeps for
+    looking at the failures one by one."""
+    from candidate_gen.atomic import atomic_write_text
+
+    return atomic_write_text(path, "".join(json.dumps(o, ensure_ascii=False) + "\n" for o in outputs))
 
 
 def format_report(rep: dict) -> str:

@@ -1,4 +1,6 @@
 """The engine: request -> prompt -> AR / diffusion decode -> always a valid permutation."""
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -71,6 +73,28 @@ def test_valid_answer_is_parsed_into_the_permutation(parts):
     n = res.generated_tokens
     assert rep["forward_passes_per_token"] == pytest.approx(1 / n)
     assert rep["forward_passes_per_token_batched"] == pytest.approx(1 / (2 * n))
+
+
+def test_eval_keeps_each_examples_output_and_failure(parts, tmp_path):
+    from reranker.evaluate import write_outputs
+
+    eng = RerankEngine(parts["model"], parts["tok"], parts["sids"], parts["meta"], parts["cp"], max_prompt_tokens=4096)
+    req = request(0)
+    good = render_assistant("because", [parts["sids"].sid_string(req.candidates[i]) for i in [2, 0, 1, *range(3, 10)]])
+    bad = render_assistant("because", [parts["sids"].sid_string(req.candidates[0])] * 10)  # a duplicate SID
+    texts = iter([good + "<|im_end|>", bad + "<|im_end|>"])
+    ids = [parts["tok"](t, add_special_tokens=False)["input_ids"] for t in texts]
+    eng.decode = lambda prompts, options: (ids[:len(prompts)], 1, None)  # this instance only
+    examples = [{"history": req.history, "candidates": req.candidates, "target_index": 2, "user": "u1"},
+                {"history": req.history, "candidates": req.candidates, "target_index": 5, "user": "u2"}]
+    rep = evaluate(eng, examples, DecodeOptions(), batch_size=2, progress=False, keep_outputs=True)
+    first, second = rep["outputs"]
+    assert (first["user"], first["valid"], first["failure"], first["permutation"][:3]) == ("u1", True, None, [2, 0, 1])
+    assert (second["user"], second["valid"], second["failure"]) == ("u2", False, "duplicate")
+    assert second["permutation"] == list(range(10)) and second["target_index"] == 5 and "because" in second["text"]
+    out = write_outputs(tmp_path / "outputs.jsonl", rep["outputs"])
+    assert [json.loads(line) for line in out.read_text().splitlines()] == rep["outputs"]
+    assert not list(tmp_path.glob(".*.tmp"))  # written to a temp file, then renamed
 
 
 def test_bad_requests_are_clear(parts):
