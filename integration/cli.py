@@ -177,7 +177,7 @@ def cmd_eval(args) -> int:
     from reranker.evaluate import evaluate_dirs, format_report, write_outputs
 
     opts = DecodeOptions(decoder=args.decoder, tau=args.tau, block_size=args.block_size,
-                         max_new_tokens=args.max_new_tokens, commit_rule=args.commit_rule)
+                         max_new_tokens=args.max_new_tokens, commit_rule=args.commit_rule, hold_eos=args.hold_eos)
     rep = evaluate_dirs(args.model, args.data, args.split, opts, args.batch_size, args.limit,
                         keep_outputs=bool(args.outputs))
     print(format_report(rep))
@@ -494,6 +494,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--commit-rule", default="confidence", choices=["confidence", "prefix"],
                    help="diffusion: commit every confident position (the paper's), or only the leftmost masked "
                         "one and the confident run after it")
+    e.add_argument("--hold-eos", action="store_true",
+                   help="diffusion: commit EOS only as the position a step must commit, not on confidence beside "
+                        "the tokens before it")
     e.add_argument("--block-size", type=int, default=None)
     e.add_argument("--max-new-tokens", type=int, default=320)
     e.add_argument("--batch-size", type=int, default=8)

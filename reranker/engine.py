@@ -51,6 +51,7 @@ class DecodeOptions:
     max_steps_per_block: int | None = None
     seed: int = 0
     commit_rule: str = "confidence"  # diffusion only: "confidence" (the paper's) or "prefix" (left to right)
+    hold_eos: bool = False  # diffusion only: commit EOS only as the position a step must commit
 
     def validate(self) -> None:
         if self.decoder not in DECODERS:
@@ -172,7 +173,7 @@ class RerankEngine:
         res = diffusion_decode(self.model, prompts, options.max_new_tokens, block,
                                int(self.diffusion["mask_token_id"]), self.eos_id, self.pad_id, tau=options.tau,
                                temperature=options.temperature, max_steps_per_block=options.max_steps_per_block,
-                               generator=gen, commit_rule=options.commit_rule)
+                               generator=gen, commit_rule=options.commit_rule, hold_eos=options.hold_eos)
         return res.tokens, res.n_forward, res
 
     def rerank(self, requests: list[RerankRequest], options: DecodeOptions | None = None) -> list[RerankResult]:

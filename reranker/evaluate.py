@@ -60,7 +60,7 @@ def evaluate(engine: RerankEngine, examples: list[dict], options: DecodeOptions,
     floor = np.asarray(target_index)
     report = {
         "n": n, "decoder": options.decoder, "tau": options.tau, "block_size": options.block_size,
-        "commit_rule": options.commit_rule,
+        "commit_rule": options.commit_rule, "hold_eos": options.hold_eos,
         "batch_size": batch_size, **summarize(ranks),
         "valid_rate": valid / max(n, 1), "fallback_rate": 1 - valid / max(n, 1),
         "failures": failures,

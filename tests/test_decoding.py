@@ -142,6 +142,48 @@ def test_prefix_commit_rule():
         commit_confident(conf, elig, 0.9, rule="left")
 
 
+def test_held_positions_commit_only_when_a_step_must():
+    conf = torch.tensor([[0.5, 0.95, 0.97, 0.99], [0.95, 0.2, 0.97, 0.3]])
+    elig = torch.ones(2, 4, dtype=torch.bool)
+    hold = torch.tensor([[False, False, True, False], [True, False, True, False]])
+    # prefix: a held position stops the confident run unless it is the leftmost (row 1's first)
+    out = commit_confident(conf, elig, 0.9, rule="prefix", hold=hold)
+    assert out.tolist() == [[True, True, False, False], [True, False, False, False]]
+    # confidence: held positions drop out of the sure set but can still be the forced best one
+    out = commit_confident(conf, elig, 0.9, hold=hold)
+    assert out.tolist() == [[False, True, False, True], [False, False, True, False]]
+    assert commit_confident(conf, elig, 0.9, force_all=True, hold=hold).tolist() == elig.tolist()
+
+
+def _committed_with_eos_before_it(tr, B=4):
+    """Was some token before the row's last (EOS) position, in its block, committed in the EOS's step?"""
+    end = tr.length - 1
+    start = (end // B) * B
+    return bool((tr.steps[start:end] == tr.steps[end]).any())
+
+
+def test_hold_eos_never_ends_a_row_beside_other_commits():
+    """With hold_eos and the prefix rule, no token before an ending EOS in its block was committed in
+    the EOS's step: the EOS saw its whole left context (checked with a frequent token as EOS, so that rows do end; what
+    a step commits after an EOS is discarded). B = 1 is still AR."""
+    model, prompts = model_for("sdpa"), prompts_for(4)
+    eos = frequent_token(model, prompts)
+    ar = ar_decode(model, prompts, 14, eos_token_id=eos)
+    assert diffusion_decode(model, prompts, 14, 1, MASK, eos, tau=0.9, commit_rule="prefix",
+                            hold_eos=True).tokens == ar.tokens
+    for rule in ("prefix",):  # under "confidence" a held EOS can still be a step's one forced commit
+        free = diffusion_decode(model, prompts, 16, 4, MASK, eos, tau=0.05, commit_rule=rule)
+        held = diffusion_decode(model, prompts, 16, 4, MASK, eos, tau=0.05, commit_rule=rule, hold_eos=True)
+        ended = 0
+        for tr in held.trajectories:
+            if tr.length and int(tr.tokens[tr.length - 1]) == eos and tr.length < 16:
+                ended += 1
+                assert not _committed_with_eos_before_it(tr), (rule, tr.steps)
+        assert ended > 0  # the check above ran
+        # without the hold, the low threshold commits an EOS beside tokens before it somewhere
+        assert any(_committed_with_eos_before_it(tr) for tr in free.trajectories if tr.length < 16), rule
+
+
 def test_prefix_rule_commits_left_to_right():
     """Under the prefix rule every block fills left to right (steps never decrease along a block), B = 1
     is still AR, and a threshold above 1 commits one token per step, exactly AR's order."""

@@ -114,11 +114,12 @@ def _first_eos(canvas, step_of, eos_id):
 @torch.no_grad()
 def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, eos_token_id,
                      pad_token_id=0, tau=0.9, temperature=0.0, max_steps_per_block=None, generator=None,
-                     commit_rule="confidence"):
+                     commit_rule="confidence", hold_eos=False):
     """Decode block by block; each step commits every masked position with confidence >= tau plus
     the most confident one (greedy if temperature == 0, else sampled from softmax(logits / T);
     confidence = probability of the chosen token), or with commit_rule="prefix" the leftmost masked
-    position and the confident run after it (forward.commit_confident). At step
+    position and the confident run after it (forward.commit_confident). hold_eos: an EOS is
+    committed only as the position a step must commit, never on confidence beside others. At step
     max_steps_per_block - 1 (default B) every remaining position is committed. Committed tokens are
     never revised."""
     dev, B = model.device, block_size
@@ -163,7 +164,8 @@ def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, 
             # Back to block columns; columns without logits are not eligible, so never committed.
             tok, lp, conf = canvas.clone(), torch.zeros_like(lp_blk), torch.zeros_like(lp_blk)
             tok[:, cols], lp[:, cols], conf[:, cols] = tok_c, lp_c, conf_c
-            commit = commit_confident(conf, eligible, tau, force_all=s == cap - 1, rule=commit_rule)
+            hold = (tok == eos_token_id) & eligible if hold_eos else None
+            commit = commit_confident(conf, eligible, tau, force_all=s == cap - 1, rule=commit_rule, hold=hold)
             canvas = torch.where(commit, tok, canvas)
             step_of = torch.where(commit, s, step_of)
             lp_blk = torch.where(commit, lp, lp_blk)

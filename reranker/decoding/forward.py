@@ -90,7 +90,7 @@ def check_commit_rule(rule, name="commit rule") -> None:
         raise ValueError(f"{name} must be one of {COMMIT_RULES}, got {rule!r}")
 
 
-def commit_confident(confidence, eligible, tau, force_all=False, rule="confidence"):
+def commit_confident(confidence, eligible, tau, force_all=False, rule="confidence", hold=None):
     """Which positions to commit this step.
 
     rule "confidence" (the paper's): every eligible (still masked) position whose confidence is
@@ -104,11 +104,17 @@ def commit_confident(confidence, eligible, tau, force_all=False, rule="confidenc
 
     confidence: (b, B) float (probability of the chosen token); eligible: (b, B) bool.
     force_all commits every eligible position (used at the last allowed step of a block).
+    hold: optional (b, B) bool, positions whose chosen token may not ride on confidence alone: they
+    are committed only as the one position a step must commit (the leftmost under "prefix", the
+    most confident under "confidence"). The decoder holds EOS this way on request: under "prefix" an
+    answer then never ends in the same step as the tokens before its end.
     """
     check_commit_rule(rule)
     if force_all:
         return eligible.clone()
     sure = eligible & (confidence >= tau)
+    if hold is not None:
+        sure = sure & ~hold
     if rule == "prefix":
         leftmost = eligible & (eligible.int().cumsum(-1) == 1)
         passable = ~eligible | sure | leftmost  # committed before, or committed now
