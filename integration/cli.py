@@ -394,6 +394,15 @@ def format_retrieval(res: dict) -> str:
     return "\n".join(lines)
 
 
+def _add_commit_rule(parser) -> None:
+    """The diffusion decoder's commit rule, the same flag for every command that decodes."""
+    from reranker.decoding.forward import COMMIT_RULES
+
+    parser.add_argument("--commit-rule", default="confidence", choices=COMMIT_RULES,
+                        help="diffusion: commit every confident position (the paper's), or only the leftmost "
+                             "masked one and the confident run after it")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dgr2", description="Diffusion-GR2 re-ranking plugin")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -453,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--taus", default="1.0,0.9,0.8,0.6,0.4")
     s.add_argument("--block-size", type=int, default=None, help="default: the one recorded in the model")
     s.add_argument("--max-new-tokens", type=int, default=320)
-    s.add_argument("--commit-rule", default="confidence", choices=["confidence", "prefix"])
+    _add_commit_rule(s)
     s.add_argument("--repeats", type=int, default=5)
     s.add_argument("--warmup", type=int, default=1)
     s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's current setting)")
@@ -491,9 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--split", default="test", choices=["train", "valid", "test"])
     e.add_argument("--decoder", default="ar", choices=["ar", "diffusion"])
     e.add_argument("--tau", type=float, default=0.9)
-    e.add_argument("--commit-rule", default="confidence", choices=["confidence", "prefix"],
-                   help="diffusion: commit every confident position (the paper's), or only the leftmost masked "
-                        "one and the confident run after it")
+    _add_commit_rule(e)
     e.add_argument("--hold-eos", action="store_true",
                    help="diffusion: commit EOS only as the position a step must commit, not on confidence beside "
                         "the tokens before it")
@@ -561,9 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
     ee.add_argument("--seed", type=int, default=0, help="seed of the user sample")
     ee.add_argument("--batch-size", type=int, default=32, help="re-ranker decode batch size")
     ee.add_argument("--tau", type=float, default=0.9, help="diffusion confidence threshold")
-    ee.add_argument("--commit-rule", default="confidence", choices=["confidence", "prefix"],
-                    help="diffusion: commit every confident position (the paper's), or only the leftmost masked "
-                         "one and the confident run after it")
+    _add_commit_rule(ee)
     ee.add_argument("--out", help="write the result to this docs/results JSON file (recbole-e2e-<name>.json)")
     ee.add_argument("--add-to", action="store_true",
                     help="add these rows to the existing --out file (same users; its SASRec-alone row must match)")

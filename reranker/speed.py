@@ -128,7 +128,7 @@ def _run(kind, model, prompts, batch_size, max_new_tokens, eos, pad, tau=None, b
          mask_token_id=None, max_steps_per_block=None, commit_rule="confidence"):
     """Decode every prompt once in chunks of batch_size; returns timing and counts (and tokens)."""
     seconds, n_forward, rows_per_tok, tokens, row_steps = 0.0, 0, 0.0, [], 0
-    prefill_seconds, prefill_tokens = 0.0, 0
+    prefill_seconds = 0.0
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i:i + batch_size]
         was_enabled = gc.isenabled()
@@ -147,7 +147,6 @@ def _run(kind, model, prompts, batch_size, max_new_tokens, eos, pad, tau=None, b
                 gc.enable()
         gc.collect(0)
         prefill_seconds += res.prefill_seconds
-        prefill_tokens += len(chunk) if kind == "ar" else 0  # AR's prefill logits give each row's first token
         n_forward += res.n_forward
         n_tok = sum(len(t) for t in res.tokens)
         rows_per_tok += n_tok / len(chunk)  # mean row length of this chunk
@@ -155,7 +154,7 @@ def _run(kind, model, prompts, batch_size, max_new_tokens, eos, pad, tau=None, b
         if kind != "ar":
             row_steps += sum(sum(s) for s in res.steps_per_block)
     gen = sum(len(t) for t in tokens)
-    decode_tokens = sum(max(len(t) - (kind == "ar"), 0) for t in tokens)
+    decode_tokens = sum(max(len(t) - (kind == "ar"), 0) for t in tokens)  # AR's prefill yields each row's first
     return {"seconds": seconds, "generated_tokens": gen, "forward_passes": n_forward,
             "tokens_per_second": gen / max(seconds, 1e-12),
             "prefill_seconds": prefill_seconds,

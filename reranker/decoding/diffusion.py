@@ -152,10 +152,10 @@ def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, 
         for s in range(cap):
             stop = _first_eos(canvas, step_of, eos_token_id).clamp(max=limit)  # nothing past EOS / budget
             eligible = (step_of < 0) & (arange_b[None] < stop[:, None])
-            if not eligible.any():
+            cols = eligible.any(0).nonzero().squeeze(1)  # columns some row still needs (one host sync)
+            if len(cols) == 0:
                 break
             window = torch.cat([last[:, None], canvas[:, :-1]], 1)
-            cols = eligible.any(0).nonzero().squeeze(1)  # columns some row still needs
             logits, cache_blk, cache_valid = block_step(model, cache, cache_blk, cache_valid, window, win_pos,
                                                         pre + k, pending, keep=cols)
             pending = None
@@ -164,7 +164,7 @@ def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, 
             # Back to block columns; columns without logits are not eligible, so never committed.
             tok, lp, conf = canvas.clone(), torch.zeros_like(lp_blk), torch.zeros_like(lp_blk)
             tok[:, cols], lp[:, cols], conf[:, cols] = tok_c, lp_c, conf_c
-            hold = (tok == eos_token_id) & eligible if hold_eos else None
+            hold = tok == eos_token_id if hold_eos else None  # commit_confident only looks at eligible ones
             commit = commit_confident(conf, eligible, tau, force_all=s == cap - 1, rule=commit_rule, hold=hold)
             canvas = torch.where(commit, tok, canvas)
             step_of = torch.where(commit, s, step_of)
