@@ -15,6 +15,13 @@ Default: one noisy copy with independent masks, as in the paper ([x_t ; x_0]), t
 (clean + one copy). Option `complementary=True`: two noisy copies with complementary masks (probs t
 and 1-t, t ~ U(eps, 1-eps)), so every target is supervised exactly once per step; lower variance
 per example for ~1.5x the tokens per forward; the two unbiased estimates are averaged.
+
+Option `suffix_prob` (CFT's `suffix_fraction`): that share of examples has its masks moved to the
+END of each block, keeping each block's masked count (`suffix_aligned`). The prefix commit rule
+only ever shows the model such canvases (a committed prefix of the active block, then masks), so
+these examples train exactly the predictions it commits from; the count, hence the 1/t weight,
+has the same distribution as under independent masks. With `complementary` each copy is aligned
+on its own (the two copies are then no longer complementary).
 """
 import math
 
@@ -34,16 +41,33 @@ def noisy_windows(clean_windows, target_mask, block_size, mask_token_id):
     return torch.where(hide, mask_token_id, clean_windows)
 
 
-def sample_noise(resp_len, n_cols, eps=1e-3, complementary=False, generator=None):
-    """t (C, b) and target masks (C, b, n_cols) with C = 2 if complementary else 1."""
+def suffix_aligned(target_mask, block_size):
+    """The same number of masked targets per block, moved to the block's end: (..., n_cols) bool
+    with n_cols a multiple of block_size (a response EOS-filled to whole blocks)."""
+    *lead, n = target_mask.shape
+    if n % block_size:
+        raise ValueError(f"suffix-aligned masks need whole blocks: {n} columns, block size {block_size}")
+    count = target_mask.view(*lead, n // block_size, block_size).sum(-1, keepdim=True)
+    col = torch.arange(block_size, device=target_mask.device)
+    return (col >= block_size - count).view(*lead, n)
+
+
+def sample_noise(resp_len, n_cols, eps=1e-3, complementary=False, generator=None, block_size=None,
+                 suffix_prob=0.0):
+    """t (C, b) and target masks (C, b, n_cols) with C = 2 if complementary else 1; with
+    suffix_prob > 0 each example's masks are suffix-aligned per block with that probability."""
     b = len(resp_len)
     dev = resp_len.device
     t = eps + (1 - (2 if complementary else 1) * eps) * torch.rand(b, generator=generator, device=dev)
     u = torch.rand(b, n_cols, generator=generator, device=dev)
     m = u < t[:, None]
-    if complementary:
-        return torch.stack([t, 1 - t]), torch.stack([m, ~m])
-    return t[None], m[None]
+    t, m = (torch.stack([t, 1 - t]), torch.stack([m, ~m])) if complementary else (t[None], m[None])
+    if suffix_prob > 0:  # drawn only when asked: seeded runs without it keep their old noise
+        if block_size is None:
+            raise ValueError("suffix_prob needs block_size")
+        pick = torch.rand(b, generator=generator, device=dev) < suffix_prob
+        m = torch.where(pick[None, :, None], suffix_aligned(m, block_size), m)
+    return t, m
 
 
 def diffusion_loss(model, input_ids, prompt_len, resp_len, block_size, mask_token_id, token_weights=None,

@@ -99,6 +99,16 @@ def test_validation_noise_is_fixed(world):
     b = evaluate_loss(model, enc, DEFAULTS, token_ids(tok), B, tok.mask_token_id, "cpu")
     c = evaluate_loss(model, enc, {**DEFAULTS, "valid_noise_seed": 7}, token_ids(tok), B, tok.mask_token_id, "cpu")
     assert a == b and a != c
+    # suffix-aligned masks are a different (and, for an unconverged model, different-loss) draw
+    d = evaluate_loss(model, enc, {**DEFAULTS, "suffix_fraction": 1.0}, token_ids(tok), B, tok.mask_token_id, "cpu")
+    assert d != a
+
+
+def test_suffix_fraction_is_checked():
+    from reranker.stages.cft import check_config
+    check_config({**DEFAULTS, "suffix_fraction": 0.5})
+    with pytest.raises(ValueError, match="suffix_fraction"):
+        check_config({**DEFAULTS, "suffix_fraction": 1.5})
 
 
 def test_cft_learns_to_decode_and_keeps_the_diffusion_config(world, tmp_path):

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from reranker.decoding.forward import forward
-from reranker.diffusion_loss import diffusion_loss, sample_noise
+from reranker.diffusion_loss import diffusion_loss, sample_noise, suffix_aligned
 from reranker.masks import diffusion_training_mask, pack_prompt_response
 from reranker.model import SIZES, build_model
 
@@ -84,6 +84,30 @@ def test_noise_and_defaults():
     assert none.item() == 0.0
     drawn = diffusion_loss(model, ids, plen, rlen, 4, MASK, generator=torch.Generator().manual_seed(0))
     assert torch.isfinite(drawn) and drawn.item() > 0
+
+
+def test_suffix_aligned_keeps_counts_and_moves_masks_to_block_ends():
+    m = torch.tensor([[1, 0, 1, 0, 0, 0, 0, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    out = suffix_aligned(m, 4)
+    assert out.int().tolist() == [[0, 0, 1, 1, 0, 0, 0, 1, 1, 1, 1, 1]]
+    with pytest.raises(ValueError, match="whole blocks"):
+        suffix_aligned(m[:, :10], 4)
+
+
+def test_suffix_prob_aligns_that_share_of_examples_and_keeps_t():
+    rlen = torch.full((400,), 16)
+    t0, m0 = sample_noise(rlen, 16, generator=torch.Generator().manual_seed(3))
+    t1, m1 = sample_noise(rlen, 16, generator=torch.Generator().manual_seed(3), block_size=4, suffix_prob=0.5)
+    assert torch.equal(t0, t1)  # same t, same per-block counts: the 1/t weight is unchanged
+    blocks = lambda m: m.view(1, 400, 4, 4)
+    assert torch.equal(blocks(m0).sum(-1), blocks(m1).sum(-1))
+    is_suffix = (blocks(m1) == suffix_aligned(m1, 4).view(1, 400, 4, 4)).all(-1).all(-1)[0]
+    moved = ~(m0 == m1).all(-1)[0]
+    assert 150 < int(moved.sum()) < 250 and bool(is_suffix[moved].all())
+    _, m_all = sample_noise(rlen, 16, generator=torch.Generator().manual_seed(3), block_size=4, suffix_prob=1.0)
+    assert torch.equal(m_all, suffix_aligned(m0, 4))
+    with pytest.raises(ValueError, match="block_size"):
+        sample_noise(rlen, 16, suffix_prob=0.5)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])

@@ -74,6 +74,7 @@ DEFAULTS = {
     "lambda_o": 1.0,
     "fill_weight": None,  # weight of the EOS fill after the response; None: lambda_o
     "complementary": False,  # two complementary noisy copies per example (diffusion_loss)
+    "suffix_fraction": 0.0,  # share of examples with block-suffix masks (what the prefix commit rule decodes from)
     "t_eps": 1e-3,
     "valid_noise_seed": 1234,  # the fixed noise draw of every validation
     "decode_examples": 16,  # greedy τ-decode of this many validation prompts per validation; 0: off
@@ -187,13 +188,14 @@ def cft_batch(examples, pad_id, eos_id, B, lam_r, lam_o, fill_w, device):
     return ids.to(device), plen.to(device), rlen.to(device), w.to(device)
 
 
-def example_noise(keys, rlen, complementary, eps, device):
+def example_noise(keys, rlen, complementary, eps, device, block_size=None, suffix_fraction=0.0):
     """(t (C, b), target masks (C, b, max rlen)) with each example's draw keyed by its own key:
     the noise of an example never depends on which batch, micro-batch or rank it lands in."""
     ts, ms = [], []
     L = int(rlen.max())
     for key, n in zip(keys, rlen.tolist()):
-        t, m = sample_noise(torch.tensor([n]), n, eps, complementary, seeded("cpu", *key))
+        t, m = sample_noise(torch.tensor([n]), n, eps, complementary, seeded("cpu", *key),
+                            block_size=block_size, suffix_prob=suffix_fraction)
         ts.append(t)
         ms.append(torch.nn.functional.pad(m, (0, L - n)))
     return torch.cat(ts, 1).to(device), torch.cat(ms, 1).to(device)
@@ -218,7 +220,7 @@ def evaluate_loss(model, examples, cfg, ids, B, mask_id, device, rank=0, world=1
         idx = mine[s:s + bs]
         x, plen, rlen, w = cft_batch([examples[i] for i in idx], pad, eos, B, *_weights(cfg), device)
         t, m = example_noise([(int(cfg["valid_noise_seed"]), i) for i in idx], rlen, cfg["complementary"],
-                             cfg["t_eps"], device)
+                             cfg["t_eps"], device, B, float(cfg["suffix_fraction"]))
         loss = diffusion_loss(model, x, plen, rlen, B, mask_id, w, t=t, target_mask=m)
         total += float(loss) * float(rlen.sum())  # diffusion_loss averages over its C copies
         count += float(rlen.sum())
@@ -267,6 +269,8 @@ def check_config(cfg: dict) -> None:
     if min(lam_r, lam_o, fill) < 0 or lam_r + lam_o == 0:
         raise ValueError(f"lambda_r, lambda_o, fill_weight must be >= 0 with λ_r + λ_o > 0, "
                          f"got {lam_r}, {lam_o}, {fill}")
+    if not 0.0 <= float(cfg["suffix_fraction"]) <= 1.0:
+        raise ValueError(f"suffix_fraction must be in [0, 1], got {cfg['suffix_fraction']}")
     if int(cfg["batch_size"]) < 1 or int(cfg["epochs"]) < 0:
         raise ValueError("batch_size must be >= 1 and epochs >= 0")
     check_autocast(cfg["autocast"])
@@ -360,7 +364,7 @@ def train_cft(ctx: StageContext) -> StageResult:
         for a, idx in enumerate(D.rank_micro_batches(batch, rank, world, accum)):
             x, plen, rlen, w = cft_batch([train[i] for i in idx], ids[1], ids[0], B, *lam, device)
             t, m = example_noise([(ctx.seed, state.step, i) for i in idx], rlen, cfg["complementary"], cfg["t_eps"],
-                                 device)  # keyed by (step, example): reproducible on resume, any world size
+                                 device, B, float(cfg["suffix_fraction"]))  # keyed by (step, example): any world size
             with autocast(cfg["autocast"], device):
                 loss = diffusion_loss(model, x, plen, rlen, B, mask_id, w, t=t, target_mask=m)
             part = loss * (float(rlen.sum()) / n_tokens)  # this micro-batch's share of the global mean
