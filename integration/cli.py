@@ -88,7 +88,7 @@ def cmd_speed(args) -> int:
         batch_sizes=_ints(args.batch_sizes), taus=_floats(args.taus), block_size=args.block_size,
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup, threads=args.threads,
         lengths=_ints(args.lengths), length_taus=_floats(args.length_taus), forward_blocks=_ints(args.forward_blocks),
-        progress=logging.getLogger("dgr2.speed").info, commit_rule=args.commit_rule)
+        progress=logging.getLogger("dgr2.speed").info, commit_rule=args.commit_rule, hold_eos=args.hold_eos)
     print(format_speed(rep))
     if args.out:
         print(f"results written to {args.out}")
@@ -365,7 +365,8 @@ def cmd_e2e(args) -> int:
     rerankers = [parse_reranker(s) for s in args.reranker]
     if args.add_to and not (args.out and Path(args.out).is_file()):
         raise FileNotFoundError(f"--add-to needs an existing --out file, got {args.out!r}")
-    res = run_e2e(cfg, rerankers, args.users, args.seed, args.batch_size, args.tau, commit_rule=args.commit_rule)
+    res = run_e2e(cfg, rerankers, args.users, args.seed, args.batch_size, args.tau, commit_rule=args.commit_rule,
+                  hold_eos=args.hold_eos)
     command = _command()
     if args.add_to:
         from .e2e import merge_into
@@ -395,9 +396,12 @@ def format_retrieval(res: dict) -> str:
 
 
 def _add_commit_rule(parser) -> None:
-    """The diffusion decoder's commit rule, the same flag for every command that decodes."""
+    """The diffusion decoder's commit rule and EOS hold, the same flags for every command that decodes."""
     from reranker.decoding.forward import COMMIT_RULES
 
+    parser.add_argument("--hold-eos", action="store_true",
+                        help="diffusion: commit EOS only as the position a step must commit, not on confidence "
+                             "beside the tokens before it")
     parser.add_argument("--commit-rule", default="confidence", choices=COMMIT_RULES,
                         help="diffusion: commit every confident position (the paper's), or only the leftmost "
                              "masked one and the confident run after it")
@@ -501,9 +505,6 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--decoder", default="ar", choices=["ar", "diffusion"])
     e.add_argument("--tau", type=float, default=0.9)
     _add_commit_rule(e)
-    e.add_argument("--hold-eos", action="store_true",
-                   help="diffusion: commit EOS only as the position a step must commit, not on confidence beside "
-                        "the tokens before it")
     e.add_argument("--block-size", type=int, default=None)
     e.add_argument("--max-new-tokens", type=int, default=320)
     e.add_argument("--batch-size", type=int, default=8)

@@ -61,7 +61,8 @@ def _retrieval_artifacts(cfg: dict, data_override) -> tuple[Path, str, Path, dic
 
 
 def run_e2e(cfg: dict, rerankers: list[tuple[str, str, str]], n_users: int | None, seed: int, batch_size: int,
-            tau: float, data_override=None, progress=True, commit_rule: str = "confidence") -> dict:
+            tau: float, data_override=None, progress=True, commit_rule: str = "confidence",
+            hold_eos: bool = False) -> dict:
     """Evaluate SASRec alone, then SASRec + each re-ranker (name, model dir, "ar" | "diffusion"),
     with RecBole's `Trainer.evaluate` on the retrieval stage's dataset and checkpoint.
 
@@ -101,7 +102,8 @@ def run_e2e(cfg: dict, rerankers: list[tuple[str, str, str]], n_users: int | Non
         settings = recbole_config_dict(data_root, run_dir, sasrec_params, int(cfg.get("seed", 0)))
         settings.update(sasrec_checkpoint=str(ckpt), mask_history=True, rerank_model=None,
                         rerank_data=str(rerank_data), rerank_top_n=10, rerank_batch_size=batch_size,
-                        rerank_tau=tau, rerank_commit_rule=commit_rule, rerank_block_size=ev.get("block_size"),
+                        rerank_tau=tau, rerank_commit_rule=commit_rule, rerank_hold_eos=hold_eos,
+                        rerank_block_size=ev.get("block_size"),
                         rerank_max_new_tokens=int(ev.get("max_new_tokens", 320)), show_progress=progress)
         config = Config(model=SASRecReranked, dataset=name, config_dict=settings)
         init_seed(config["seed"], config["reproducibility"])
@@ -148,6 +150,7 @@ def run_e2e(cfg: dict, rerankers: list[tuple[str, str, str]], n_users: int | Non
                 bar.close()
             row = {"name": rname, "decoder": decoder, "tau": tau if decoder == "diffusion" else None,
                    "commit_rule": commit_rule if decoder == "diffusion" else None,
+                   "hold_eos": bool(hold_eos) if decoder == "diffusion" else None,
                    **{k: float(v) for k, v in result.items()}, "seconds": round(seconds, 3)}
             per_user[rname] = dict(model.target_ranks)
             check_recorded_ranks(rname, per_user[rname], row)
@@ -195,8 +198,8 @@ def format_e2e(res: dict) -> str:
              f"{'model':28s} {'recall@10':>9s} {'ndcg@10':>8s} {'reordered':>9s} {'fallback':>8s} {'seconds':>8s}"
              "  ndcg@10 vs SASRec alone [paired 95% CI]"]
     for r in res["rows"]:
-        label = r["name"] + (f" (tau {r['tau']}{', ' + r['commit_rule'] if r.get('commit_rule') else ''})"
-                             if r.get("tau") is not None else "")
+        label = r["name"] + (f" (tau {r['tau']}{', ' + r['commit_rule'] if r.get('commit_rule') else ''}"
+                             f"{', hold EOS' if r.get('hold_eos') else ''})" if r.get("tau") is not None else "")
         reordered = "" if r.get("users_reordered") is None else str(r["users_reordered"])
         fallback = "" if r.get("fallback_rate") is None else f"{r['fallback_rate']:.3f}"
         v = (r.get("vs_sasrec") or {}).get("ndcg@10")

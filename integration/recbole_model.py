@@ -16,6 +16,7 @@ RecBole config keys (YAML or config_dict):
     rerank_decoder: ar | diffusion
     rerank_tau: 0.9
     rerank_commit_rule: confidence | prefix (diffusion: which masked positions a step commits)
+    rerank_hold_eos: false (diffusion: commit EOS only as the position a step must commit)
     rerank_block_size: null (the model's own)
     rerank_batch_size: 8
     rerank_max_new_tokens: 320
@@ -83,6 +84,7 @@ class SASRecReranked(SequentialRecommender):
             self.options = DecodeOptions(decoder=str(_get(config, "rerank_decoder", "ar")),
                                          tau=float(_get(config, "rerank_tau", 0.9)),
                                          commit_rule=str(_get(config, "rerank_commit_rule", "confidence")),
+                                         hold_eos=bool(_get(config, "rerank_hold_eos", False)),
                                          block_size=int(block) if block else None,
                                          max_new_tokens=int(_get(config, "rerank_max_new_tokens", 320)))
             self.options.validate()

@@ -125,7 +125,7 @@ def _first_id(x):
 # --------------------------------------------------------------------------------------------- runs
 
 def _run(kind, model, prompts, batch_size, max_new_tokens, eos, pad, tau=None, block_size=None,
-         mask_token_id=None, max_steps_per_block=None, commit_rule="confidence"):
+         mask_token_id=None, max_steps_per_block=None, commit_rule="confidence", hold_eos=False):
     """Decode every prompt once in chunks of batch_size; returns timing and counts (and tokens)."""
     seconds, n_forward, rows_per_tok, tokens, row_steps = 0.0, 0, 0.0, [], 0
     prefill_seconds = 0.0
@@ -140,7 +140,7 @@ def _run(kind, model, prompts, batch_size, max_new_tokens, eos, pad, tau=None, b
             else:
                 res = diffusion_decode(model, chunk, max_new_tokens, block_size, mask_token_id, eos, pad, tau=tau,
                                        temperature=0.0, max_steps_per_block=max_steps_per_block,
-                                       commit_rule=commit_rule)
+                                       commit_rule=commit_rule, hold_eos=hold_eos)
             seconds += time.perf_counter() - t0
         finally:
             if was_enabled:
@@ -166,7 +166,7 @@ def _run(kind, model, prompts, batch_size, max_new_tokens, eos, pad, tau=None, b
 
 def _interleaved(ar_model, diff_model, prompts, batch_size, taus, max_new_tokens, repeats, warmup, eos, pad,
                  block_size, mask_token_id, max_steps_per_block, exact_length=None, progress=None,
-                 commit_rule="confidence"):
+                 commit_rule="confidence", hold_eos=False):
     """AR and every tau, once per repeat, back to back; returns (ar summary, [tau summaries])."""
     configs = [("ar", None)] + [("diffusion", t) for t in taus]
     runs = {c: [] for c in configs}
@@ -175,7 +175,7 @@ def _interleaved(ar_model, diff_model, prompts, batch_size, taus, max_new_tokens
         for kind, tau in order:
             m = ar_model if kind == "ar" else diff_model
             res = _run(kind, m, prompts, batch_size, max_new_tokens, eos, pad, tau, block_size, mask_token_id,
-                       max_steps_per_block, commit_rule)
+                       max_steps_per_block, commit_rule, hold_eos)
             if exact_length is not None and any(len(t) != exact_length for t in res["tokens"]):
                 got = sorted({len(t) for t in res["tokens"]})
                 raise RuntimeError(f"{kind} decoder did not generate exactly {exact_length} tokens per row with "
@@ -360,7 +360,7 @@ def speedup_ceiling(fc: dict, length: int, steps_per_block=(1, 2)) -> dict:
 # ------------------------------------------------------------------------------------------ accuracy
 
 def accuracy_points(engine_ar, engine_diff, examples, taus, block_size=None, max_new_tokens=320, batch_size=8,
-                    progress=False, commit_rule="confidence") -> dict:
+                    progress=False, commit_rule="confidence", hold_eos=False) -> dict:
     """Recall@1/@3, NDCG@3, valid rate of AR and of diffusion at each tau (reranker.evaluate on
     `examples`), with the paired bootstrap CI of each diffusion point against AR."""
     from .engine import DecodeOptions
@@ -380,7 +380,7 @@ def accuracy_points(engine_ar, engine_diff, examples, taus, block_size=None, max
            "ar": {**pick(ar_rep), "vs_retriever": ar_rep["vs_retriever"]}, "diffusion": []}
     for tau in taus:
         opts = DecodeOptions(decoder="diffusion", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
-                             commit_rule=commit_rule)
+                             commit_rule=commit_rule, hold_eos=hold_eos)
         rep = evaluate(engine_diff, examples, opts, batch_size, progress=progress)
         cmp = compare(ar_ranks, np.asarray(rep["ranks"]))
         out["diffusion"].append({"tau": tau, **pick(rep), "vs_ar": {k: cmp[k] for k in ("recall@1", "ndcg@3")},
@@ -395,7 +395,7 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
                   pad_token_id=None, mask_token_id=None, max_steps_per_block=None, lengths=DEFAULT_LENGTHS,
                   length_taus=DEFAULT_LENGTH_TAUS, length_batch_sizes=None, forward_blocks=DEFAULT_FORWARD_BLOCKS,
                   forward_iters=20, context=None, accuracy=None, accuracy_batch_size=8, progress=None,
-                  commit_rule="confidence") -> dict:
+                  commit_rule="confidence", hold_eos=False) -> dict:
     """Side-by-side decode speed of AR (`ar_model`) and block diffusion (`diff_model`) on `prompts`
     (token-id lists). See the module docstring for what each number means.
 
@@ -431,7 +431,8 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
     diff_model.eval()
     taus = tuple(float(t) for t in taus)
     kw = dict(eos=eos_token_id, pad=pad_token_id, block_size=block_size, mask_token_id=mask_token_id,
-              max_steps_per_block=max_steps_per_block, progress=progress, commit_rule=commit_rule)
+              max_steps_per_block=max_steps_per_block, progress=progress, commit_rule=commit_rule,
+              hold_eos=hold_eos)
     t_start = time.perf_counter()
     gc.collect()
     gc.freeze()  # long-lived objects (models, modules) leave the collector: cheap young-generation passes
@@ -456,7 +457,7 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
             if accuracy is not None:
                 engine_ar, engine_diff, examples = accuracy
                 acc = accuracy_points(engine_ar, engine_diff, examples, taus, block_size, max_new_tokens,
-                                      accuracy_batch_size, commit_rule=commit_rule)
+                                      accuracy_batch_size, commit_rule=commit_rule, hold_eos=hold_eos)
                 by_tau = {p["tau"]: p for p in acc["diffusion"]}
                 for row in batches:
                     row["ar"].update({"recall@1": acc["ar"]["recall@1"], "valid_rate": acc["ar"]["valid_rate"]})
@@ -469,7 +470,7 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
         "machine": machine,
         "settings": {"block_size": block_size, "mask_token_id": mask_token_id, "eos_token_id": eos_token_id,
                      "max_new_tokens": max_new_tokens, "max_steps_per_block": max_steps_per_block or block_size,
-                     "commit_rule": commit_rule,
+                     "commit_rule": commit_rule, "hold_eos": bool(hold_eos),
                      "repeats": repeats, "warmup": warmup, "taus": list(taus), "batch_sizes": [int(b) for b in batch_sizes],
                      "lengths": [int(x) for x in lengths], "length_taus": [float(t) for t in length_taus],
                      "n_prompts": len(prompts), "mean_prompt_tokens": float(np.mean([len(p) for p in prompts])),

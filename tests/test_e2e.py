@@ -70,15 +70,17 @@ def test_rerankers_on_a_seeded_user_sample(world, monkeypatch, tmp_path):
     rerankers = [("AR GR2", str(out / "models" / "ar"), "ar"),
                  ("Diffusion-GR2", str(out / "models" / "diff"), "diffusion"),
                  ("reverse", str(reverse_dir), "diffusion")]
-    res = run_e2e(cfg, rerankers, 40, seed=1, batch_size=8, tau=0.8, progress=False, commit_rule="prefix")
+    res = run_e2e(cfg, rerankers, 40, seed=1, batch_size=8, tau=0.8, progress=False, commit_rule="prefix",
+                  hold_eos=True)
     n_total, _, _ = faiss_metrics(out)
     assert (res["n_users"], res["n_users_total"], res["user_sample_seed"]) == (40, n_total, 1)
     alone, ar, diff, rev = res["rows"]
     assert [r["name"] for r in res["rows"]] == ["SASRec alone", "AR GR2", "Diffusion-GR2", "reverse"]
     assert (ar["decoder"], ar["tau"], diff["decoder"], diff["tau"]) == ("ar", None, "diffusion", 0.8)
     assert (ar["commit_rule"], diff["commit_rule"]) == (None, "prefix")
+    assert (ar["hold_eos"], diff["hold_eos"]) == (None, True)
     opts = reverse.options
-    assert (opts.decoder, opts.tau, opts.commit_rule) == ("diffusion", 0.8, "prefix")
+    assert (opts.decoder, opts.tau, opts.commit_rule, opts.hold_eos) == ("diffusion", 0.8, "prefix", True)
 
     # The sample is the full evaluation restricted to the sampled users: SASRec alone matches the
     # retrieval stage's own masked lists for exactly those users.

@@ -208,3 +208,23 @@ def test_measure_speed_passes_the_commit_rule(parts):
     assert conf["settings"]["commit_rule"] == "confidence" and pre["settings"]["commit_rule"] == "prefix"
     # left to right commits at most as many tokens per step as the free rule on the same model
     assert pre["batches"][0]["points"][0]["tokens_per_step"] <= conf["batches"][0]["points"][0]["tokens_per_step"]
+
+
+def test_measure_speed_passes_hold_eos_to_the_decoder(parts, monkeypatch):
+    import reranker.speed as speed
+
+    seen = []
+    real = speed.diffusion_decode
+
+    def recording(*a, **k):
+        seen.append(k.get("hold_eos"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(speed, "diffusion_decode", recording)
+    kw = dict(batch_sizes=(2,), taus=(0.3,), max_new_tokens=8, repeats=1, warmup=0, threads=1, lengths=(),
+              forward_blocks=())
+    rep = measure_speed(parts["model"], parts["dmodel"], parts["prompts"], hold_eos=True, **kw)
+    assert rep["settings"]["hold_eos"] is True and seen and all(seen)
+    seen.clear()
+    assert measure_speed(parts["model"], parts["dmodel"], parts["prompts"], **kw)["settings"]["hold_eos"] is False
+    assert seen and not any(seen)
