@@ -208,6 +208,14 @@ def cmd_model_export(args) -> int:
     return 0
 
 
+def cmd_model_average(args) -> int:
+    from reranker.model import average_models
+
+    out = average_models(args.models, args.out)
+    print(f"average of {len(args.models)} models written to {out}")
+    return 0
+
+
 def cmd_model_init(args) -> int:
     from reranker.init_model import init_model
 
@@ -588,6 +596,10 @@ def build_parser() -> argparse.ArgumentParser:
     me.add_argument("--like", required=True, help="the stage's input model directory (architecture, tokenizer)")
     me.add_argument("--out", required=True)
     me.set_defaults(func=cmd_model_export)
+    ma = msub.add_parser("average", help="a model directory whose weights average several of one architecture")
+    ma.add_argument("models", nargs="+", help="model directories (the first gives config and tokenizer)")
+    ma.add_argument("--out", required=True)
+    ma.set_defaults(func=cmd_model_average)
     t = sub.add_parser("train", help="run one training stage (a registered plugin: sft, ar_rl, cft, opd, rl, ...)")
     t.add_argument("stage")
     t.add_argument("--input", required=True, help="input model directory")

@@ -75,3 +75,33 @@ def resize_for_tokenizer(model, tokenizer):
     if n > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(n, mean_resizing=False)
     return model
+
+
+def average_models(paths, out):
+    """A model directory whose weights are the uniform average of `paths` (a "model soup" of
+    checkpoints of one run or of sibling runs from one parent); config, generation config and
+    tokenizer are the first one's. The models must share architecture and every tensor's shape,
+    and converted (diffusion) models their block size and mask token, or nothing is written."""
+    from transformers import AutoTokenizer
+
+    paths = [Path(p) for p in paths]
+    if len(paths) < 2:
+        raise ValueError(f"averaging needs at least two model directories, got {len(paths)}")
+    first = load_model(paths[0])
+    want = first.config.to_dict()
+    acc = {k: v.detach().float().clone() for k, v in first.state_dict().items()}
+    for p in paths[1:]:
+        model = load_model(p)
+        got = model.config.to_dict()
+        for key in ("architectures", "vocab_size", "hidden_size", "num_hidden_layers", "diffusion"):
+            if got.get(key) != want.get(key):
+                raise ValueError(f"{p}: config {key} is {got.get(key)!r}, but {paths[0]} has {want.get(key)!r}")
+        sd = model.state_dict()
+        if set(sd) != set(acc):
+            raise ValueError(f"{p}: weights {sorted(set(sd) ^ set(acc))[:3]} differ from {paths[0]}'s")
+        for k, v in sd.items():
+            if v.shape != acc[k].shape:
+                raise ValueError(f"{p}: {k} has shape {tuple(v.shape)}, {paths[0]} {tuple(acc[k].shape)}")
+            acc[k] += v.detach().float()
+    first.load_state_dict({k: (v / len(paths)).to(first.state_dict()[k].dtype) for k, v in acc.items()})
+    return save_model(first, AutoTokenizer.from_pretrained(str(paths[0])), out)

@@ -1,12 +1,13 @@
 """Model build / save / load / resize."""
 import os
 
+import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from reranker.convert import convert_to_diffusion, load_diffusion_config
-from reranker.model import SIZES, build_model, load_model, resize_for_tokenizer, save_model
+from reranker.model import SIZES, average_models, build_model, load_model, resize_for_tokenizer, save_model
 
 torch.set_num_threads(1)
 
@@ -90,3 +91,24 @@ def test_convert_keeps_an_existing_mask_role(tmp_path):
     assert new_tok.mask_token == "[MASK]" and len(new_tok) == len(tok) + 1
     assert new_tok("a <|mask|>").input_ids == [3, len(tok)]
     assert load_diffusion_config(load_model(tmp_path / "dlm"))["mask_token_id"] == len(tok)
+
+
+def test_average_models_is_the_elementwise_mean_and_checks_shapes(tmp_path):
+    tok = tiny_tokenizer()
+    dirs = []
+    for seed in (1, 2, 3):
+        m = build_model(len(tok), "tiny", pad_token_id=0, eos_token_id=1, seed=seed)
+        dirs.append(save_model(m, tok, tmp_path / f"m{seed}"))
+    out = average_models(dirs, tmp_path / "avg")
+    got = load_model(out).state_dict()
+    parts = [load_model(d).state_dict() for d in dirs]
+    for k, v in got.items():
+        torch.testing.assert_close(v, sum(p[k] for p in parts) / 3, atol=1e-6, rtol=0)
+    assert (out / "tokenizer.json").exists()
+    other = save_model(build_model(len(tok), dict(SIZES["tiny"], num_hidden_layers=1), pad_token_id=0,
+                                   eos_token_id=1), tok, tmp_path / "other")
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        average_models([dirs[0], other], tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+    with pytest.raises(ValueError, match="at least two"):
+        average_models(dirs[:1], tmp_path / "bad")
