@@ -403,7 +403,7 @@ def format_retrieval(res: dict) -> str:
     return "\n".join(lines)
 
 
-def _add_commit_rule(parser) -> None:
+def _add_diffusion_rule_flags(parser) -> None:
     """The diffusion decoder's commit rule and EOS hold, the same flags for every command that decodes."""
     from reranker.decoding.forward import COMMIT_RULES
 
@@ -474,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--taus", default="1.0,0.9,0.8,0.6,0.4")
     s.add_argument("--block-size", type=int, default=None, help="default: the one recorded in the model")
     s.add_argument("--max-new-tokens", type=int, default=320)
-    _add_commit_rule(s)
+    _add_diffusion_rule_flags(s)
     s.add_argument("--repeats", type=int, default=5)
     s.add_argument("--warmup", type=int, default=1)
     s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's current setting)")
@@ -512,7 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--split", default="test", choices=["train", "valid", "test"])
     e.add_argument("--decoder", default="ar", choices=["ar", "diffusion"])
     e.add_argument("--tau", type=float, default=0.9)
-    _add_commit_rule(e)
+    _add_diffusion_rule_flags(e)
     e.add_argument("--block-size", type=int, default=None)
     e.add_argument("--max-new-tokens", type=int, default=320)
     e.add_argument("--batch-size", type=int, default=8)
@@ -577,7 +577,7 @@ def build_parser() -> argparse.ArgumentParser:
     ee.add_argument("--seed", type=int, default=0, help="seed of the user sample")
     ee.add_argument("--batch-size", type=int, default=32, help="re-ranker decode batch size")
     ee.add_argument("--tau", type=float, default=0.9, help="diffusion confidence threshold")
-    _add_commit_rule(ee)
+    _add_diffusion_rule_flags(ee)
     ee.add_argument("--out", help="write the result to this docs/results JSON file (recbole-e2e-<name>.json)")
     ee.add_argument("--add-to", action="store_true",
                     help="add these rows to the existing --out file (same users; its SASRec-alone row must match)")

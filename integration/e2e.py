@@ -198,8 +198,8 @@ def format_e2e(res: dict) -> str:
              f"{'model':28s} {'recall@10':>9s} {'ndcg@10':>8s} {'reordered':>9s} {'fallback':>8s} {'seconds':>8s}"
              "  ndcg@10 vs SASRec alone [paired 95% CI]"]
     for r in res["rows"]:
-        label = r["name"] + (f" (tau {r['tau']}{', ' + r['commit_rule'] if r.get('commit_rule') else ''}"
-                             f"{', hold EOS' if r.get('hold_eos') else ''})" if r.get("tau") is not None else "")
+        decoding = [f"tau {r['tau']}", r.get("commit_rule"), "hold EOS" if r.get("hold_eos") else None]
+        label = r["name"] + (f" ({', '.join(d for d in decoding if d)})" if r.get("tau") is not None else "")
         reordered = "" if r.get("users_reordered") is None else str(r["users_reordered"])
         fallback = "" if r.get("fallback_rate") is None else f"{r['fallback_rate']:.3f}"
         v = (r.get("vs_sasrec") or {}).get("ndcg@10")

@@ -89,7 +89,8 @@ def average_models(paths, out):
         raise ValueError(f"averaging needs at least two model directories, got {len(paths)}")
     first = load_model(paths[0])
     want = first.config.to_dict()
-    acc = {k: v.detach().float().clone() for k, v in first.state_dict().items()}
+    own = first.state_dict()
+    acc = {k: v.detach().float().clone() for k, v in own.items()}
     for p in paths[1:]:
         model = load_model(p)
         got = model.config.to_dict()
@@ -103,5 +104,5 @@ def average_models(paths, out):
             if v.shape != acc[k].shape:
                 raise ValueError(f"{p}: {k} has shape {tuple(v.shape)}, {paths[0]} {tuple(acc[k].shape)}")
             acc[k] += v.detach().float()
-    first.load_state_dict({k: (v / len(paths)).to(first.state_dict()[k].dtype) for k, v in acc.items()})
+    first.load_state_dict({k: (v / len(paths)).to(own[k].dtype) for k, v in acc.items()})
     return save_model(first, AutoTokenizer.from_pretrained(str(paths[0])), out)
