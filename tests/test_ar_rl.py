@@ -165,9 +165,13 @@ def test_ar_rl_raises_the_reward_end_to_end(toy, tmp_path):
     assert [r["step"] for r in train] == list(range(1, 11))
     assert all(0 <= r["kept_frac"] <= 1 and 0 <= r["copy_rate"] <= 1 for r in train)
     assert all(r["ratio_dev_max_on_policy"] < 1e-4 for r in train if "loss" in r)
-    # Rollout rewards are noisy (16 samples, some invalid): compare the ends of the run.
+    # Step 1's rollouts come from the SFT policy, before any update; the policy moves within a step
+    # or two, so compare that step with the second half of the run. Rewards are noisy (16 samples at
+    # T = 1, invalid ones cost -1 whatever the policy prefers), so the margin is what the move from
+    # copying (reward 0) to promoting (0.7) buys even with that noise; a policy that stops learning
+    # keeps its step-1 mean.
     rewards = [r["reward_mean"] for r in train]
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:2]) / 2 + 0.1, rewards
+    assert sum(rewards[5:]) / 5 > rewards[0] + 0.1, rewards
     assert train[0]["copy_rate"] > 0.3 and max(r["copy_rate"] for r in train[-3:]) < 0.1
     valid = read_metrics(run, "valid")  # greedy: copies before RL, promotes the target after
     assert [r["step"] for r in valid] == [0, 5, 10]
