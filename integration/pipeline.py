@@ -1,4 +1,4 @@
-"""`dgr2 pipeline`: retrieval -> data -> sft -> ar_rl -> convert -> cft -> opd -> rl -> evaluation.
+"""`dgr2 pipeline`: retrieval -> data -> sft -> ar_rl -> convert -> cft -> opd -> rl -> evaluation -> speed.
 
 Every step writes into `<out>/` and is skipped when its output is complete and was made from the
 same settings (a hash of the settings that feed it, chained from the step before); training
@@ -10,7 +10,8 @@ stages also resume from their last checkpoint after an interruption (reranker/st
     <out>/runs/ar/          sft, ar_rl   (model dirs under <id>/model)
     <out>/models/naive/     the converted, untrained diffusion model
     <out>/runs/diffusion/   cft, opd, rl
-    <out>/eval/             one JSON report per evaluated row
+    <out>/models/teacher    -> the final AR model;  <out>/models/student -> the final diffusion model
+    <out>/eval/             one JSON report per evaluated row (+ speed.json, the batch-1 side-by-side run)
     <out>/summary.json      the stage table
 """
 from __future__ import annotations
@@ -60,7 +61,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
 
     out = Path(cfg["out"])
     seed = int(cfg.get("seed", 0))
-    n_steps = 8
+    n_steps = 7
     timings: dict[str, float] = {}
 
     # 1. Retrieval.
@@ -134,6 +135,10 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     _step("diffusion", 5, n_steps, " -> ".join(x["name"] for x in d_specs))
     d_runs = run_pipeline(d_specs, naive_dir, out / "runs" / "diffusion", data_dir, seed=seed)
     timings["diffusion_stages"] = time.time() - t
+    # Stable names for the two models a user serves and evaluates (the run dirs are named by stage).
+    _link(out / "models" / "teacher", ar_dir)
+    if d_runs:
+        _link(out / "models" / "student", Path(d_runs[-1]["output_dir"]))
 
     # 5. Evaluation of every row of the stage table.
     t = time.time()
@@ -145,10 +150,20 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     table = evaluate_rows(rows, data_dir, section(cfg, "eval"), out / "eval")
     timings["eval"] = time.time() - t
 
-    keep = ("recall@1", "recall@3", "ndcg@3", "ndcg@5", "valid_rate", "fallback_rate", "copy_order_rate",
+    # 6. Side-by-side speed of the final student over its teacher at batch 1 (a `speed` section).
+    t = time.time()
+    speed = None
+    if "speed" in cfg and d_runs:
+        _step("speed", 7, n_steps, "final student vs AR teacher, batch 1, side by side")
+        speed = measure_final_speed(ar_dir, Path(d_runs[-1]["output_dir"]), data_dir, section(cfg, "speed"),
+                                    section(cfg, "eval"), out / "eval" / "speed.json")
+        speed.pop("speed_key", None)
+    timings["speed"] = time.time() - t
+
+    keep = ("n", "recall@1", "recall@3", "ndcg@3", "ndcg@5", "valid_rate", "fallback_rate", "copy_order_rate",
             "tokens_per_second", "forward_passes_per_token", "mean_generated_tokens", "speedup_vs_ar", "vs_ar",
             "vs_retriever", "failures", "decoder", "model")
-    rows = [{"name": "retriever order", **table[0]["retriever"]}] if table else []
+    rows = [{"name": "retriever order", "n": table[0]["n"], **table[0]["retriever"]}] if table else []
     rows += [{"name": rep["label"], **{k: rep.get(k) for k in keep}} for rep in table]
     baselines = json.loads((data_dir / "baselines.json").read_text())
     summary = {"name": cfg.get("name"), "test_users": table[0]["n"] if table else 0,
@@ -157,12 +172,31 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
                ("recall@10", "ndcg@10", "recall@10_masked", "ndcg@10_masked", "test_users_target_in_top10")},
                "baselines": baselines["methods"],
                "baselines_info": {"test_users": baselines["test_users"]},
+               "speed": speed,
                "timings": timings,
+               "models": {"teacher": str(out / "models" / "teacher"),
+                          "student": str(out / "models" / "student") if d_runs else None},
                "stage_wall_seconds": {(warmup_label(i, n_warm) if i < n_warm else r["name"]):
                                       (read_done(r["output_dir"]) or {}).get("wall_seconds")
-                                      for i, r in enumerate(ar_runs + d_runs)}}
+                                      for i, r in enumerate(ar_runs + d_runs)},
+               # RL stages keep their start when validation never improves; the steps show they trained
+               "stage_optimizer_steps": {(warmup_label(i, n_warm) if i < n_warm else r["name"]):
+                                         (read_done(r["output_dir"]) or {}).get("optimizer_steps")
+                                         for i, r in enumerate(ar_runs + d_runs)}}
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     return summary
+
+
+def _link(link: Path, target: Path) -> None:
+    """`link` -> `target` as a relative symlink, replaced atomically (a new link, then a rename)."""
+    import os
+
+    link.parent.mkdir(parents=True, exist_ok=True)
+    tmp = link.with_name(f".{link.name}.tmp-{os.getpid()}")
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.symlink(os.path.relpath(Path(target).resolve(), link.parent.resolve()), tmp)
+    os.replace(tmp, link)
 
 
 WARMUP_BUILD_KEYS = ("full_prompt", "random_sids", "straight", "trace_style", "relabel_last_code", "limit")
@@ -207,32 +241,112 @@ def _items_file(rs) -> Path:
     return find_atomic_file(src, "item")
 
 
+EVAL_KEYS = ("split", "limit", "batch_size", "tau", "max_new_tokens", "commit_rule", "hold_eos")
+
+
+def _weights_hash(model_dir: Path) -> str:
+    """sha256 of a model directory's weight files: what an evaluation's result depends on."""
+    h = hashlib.sha256()
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _file_hash(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _decode_options(ecfg: dict, decoder: str):
+    from reranker.engine import DecodeOptions
+
+    opts = DecodeOptions(decoder=decoder, tau=float(ecfg.get("tau", 0.9)),
+                         max_new_tokens=int(ecfg.get("max_new_tokens", 320)))
+    if decoder == "diffusion":  # the commit rule and EOS hold are diffusion settings; AR ignores them
+        opts.commit_rule = str(ecfg.get("commit_rule", opts.commit_rule))
+        opts.hold_eos = bool(ecfg.get("hold_eos", opts.hold_eos))
+    opts.validate()
+    return opts
+
+
 def evaluate_rows(rows, data_dir: Path, ecfg: dict, eval_dir: Path) -> list[dict]:
-    """Evaluate each (label, model dir, decoder) on the same test users; CIs vs retriever and vs AR."""
-    from reranker.engine import DecodeOptions, RerankEngine
+    """Evaluate each (label, model dir, decoder) on the same test users; CIs vs retriever and vs AR.
+    A row whose report was made from the same weights, test file and settings is read back, not
+    decoded again (its `eval_key`)."""
+    import numpy as np
+
+    from reranker.engine import RerankEngine
     from reranker.evaluate import evaluate, load_examples
     from reranker.metrics import compare
 
-    examples = load_examples(data_dir / f"{ecfg.get('split', 'test')}.jsonl", ecfg.get("limit"))
+    test_file = data_dir / f"{ecfg.get('split', 'test')}.jsonl"
+    examples = load_examples(test_file, ecfg.get("limit"))
+    test_hash = _file_hash(test_file)
     out, ar_ranks = [], None
     for label, model_dir, decoder in rows:
-        opts = DecodeOptions(decoder=decoder, tau=float(ecfg.get("tau", 0.9)),
-                             max_new_tokens=int(ecfg.get("max_new_tokens", 320)))
-        engine = RerankEngine.load(model_dir, data_dir)
-        rep = evaluate(engine, examples, opts, int(ecfg.get("batch_size", 8)))
-        rep.update(label=label, model=str(model_dir))
+        opts = _decode_options(ecfg, decoder)
+        key = _hash("eval", _weights_hash(model_dir), test_hash, decoder, {k: ecfg.get(k) for k in EVAL_KEYS})
+        path = eval_dir / f"{label.replace(' ', '_').replace('+', 'p')}.json"
+        cached = json.loads(path.read_text()) if path.is_file() else None
+        if cached is not None and cached.get("eval_key") == key:
+            rep = cached
+            print(f"  eval {label}: up to date, skipped", flush=True)
+        else:
+            engine = RerankEngine.load(model_dir, data_dir)
+            rep = evaluate(engine, examples, opts, int(ecfg.get("batch_size", 8)))
+            rep.update(label=label, model=str(model_dir), eval_key=key)
+            rep.pop("vs_ar", None)
+            atomic_write_text(path, json.dumps(rep, indent=2))
         if label == "AR GR2":
             ar_ranks = rep["ranks"]
-        atomic_write_text(eval_dir / f"{label.replace(' ', '_').replace('+', 'p')}.json", json.dumps(rep, indent=2))
         out.append(rep)
-    import numpy as np
-
     for rep in out:
         if ar_ranks is not None and rep["label"] != "AR GR2":
             rep["vs_ar"] = compare(np.asarray(ar_ranks), np.asarray(rep["ranks"]))
     ar_tps = next((r["tokens_per_second"] for r in out if r["label"] == "AR GR2"), None)
     for rep in out:
         rep["speedup_vs_ar"] = rep["tokens_per_second"] / ar_tps if ar_tps else None
+    return out
+
+
+SPEED_KEYS = ("n_prompts", "repeats", "warmup", "threads")
+
+
+def measure_final_speed(ar_dir: Path, diff_dir: Path, data_dir: Path, scfg: dict, ecfg: dict, path: Path) -> dict:
+    """The final student against its teacher at batch 1, side by side in this process (`dgr2 speed`'s
+    measure_speed: same prompts, same threads, interleaved repeats, medians), at the evaluation's tau
+    and decode settings. Read back when made from the same weights and settings."""
+    from reranker.engine import RerankEngine
+    from reranker.evaluate import load_examples
+    from reranker.speed import speed_benchmark_from_engines
+
+    opts = _decode_options(ecfg, "diffusion")
+    settings = {k: scfg.get(k) for k in SPEED_KEYS}
+    key = _hash("speed", _weights_hash(ar_dir), _weights_hash(diff_dir), settings,
+                {k: ecfg.get(k) for k in EVAL_KEYS})
+    if path.is_file():
+        cached = json.loads(path.read_text())
+        if cached.get("speed_key") == key:
+            print("  speed: up to date, skipped", flush=True)
+            return cached
+    examples = load_examples(data_dir / f"{ecfg.get('split', 'test')}.jsonl", int(scfg.get("n_prompts", 8)))
+    engine_ar, engine_diff = RerankEngine.load(ar_dir, data_dir), RerankEngine.load(diff_dir, data_dir)
+    rep = speed_benchmark_from_engines(
+        engine_ar, engine_diff, examples, n_prompts=int(scfg.get("n_prompts", 8)), accuracy=False,
+        batch_sizes=(1,), taus=(opts.tau,), max_new_tokens=opts.max_new_tokens, repeats=int(scfg.get("repeats", 3)),
+        warmup=int(scfg.get("warmup", 1)), threads=scfg.get("threads"), lengths=(), forward_blocks=(),
+        commit_rule=opts.commit_rule, hold_eos=opts.hold_eos)
+    point = rep["batches"][0]["points"][0]
+    out = {"batch1_speedup": point["speedup"], "speedup_paired": point["speedup_paired"], "tau": opts.tau,
+           "batch_size": 1, "commit_rule": opts.commit_rule, "hold_eos": opts.hold_eos,
+           "ar_tokens_per_second": rep["batches"][0]["ar"]["tokens_per_second"]["median"],
+           "diffusion_tokens_per_second": point["tokens_per_second"]["median"],
+           "diffusion_tokens_per_step": point.get("tokens_per_step"),
+           "n_prompts": rep["settings"]["n_prompts"], "repeats": rep["settings"]["repeats"],
+           "torch_threads": rep["machine"].get("torch_threads"), "speed_key": key}
+    atomic_write_text(path, json.dumps(out, indent=2))
     return out
 
 
@@ -254,4 +368,14 @@ def format_summary(summary: dict) -> str:
               if ci.get("recall@1") else "")
         lines.append(f"{r['name']:{w}s} {r['recall@1']:7.4f} {r['recall@3']:7.4f} {r['ndcg@3']:7.4f} {valid} {tps} "
                      f"{sp:>8s}{ci}")
+    steps = summary.get("stage_optimizer_steps") or {}
+    if steps:
+        lines.append("optimizer steps: " + ", ".join(f"{k} {v}" for k, v in steps.items()))
+    sp = summary.get("speed")
+    if sp:
+        paired = sp.get("speedup_paired") or {}
+        lines.append(f"speed, side by side at batch 1 (tau {sp['tau']}, {sp.get('commit_rule')} rule): final student "
+                     f"{sp['batch1_speedup']:.2f}x its AR teacher (paired {paired.get('min', float('nan')):.2f}-"
+                     f"{paired.get('max', float('nan')):.2f}x over {sp.get('repeats')} repeats, "
+                     f"{sp.get('torch_threads')} threads)")
     return "\n".join(lines)

@@ -216,23 +216,46 @@ def plot_training_curves(doc: dict, path, title: str = "") -> Path | None:
 
 
 def plot_stage_summary(summary: dict, path, title: str = "") -> Path | None:
-    """The pipeline's stage table as two bar charts: Recall@1 of every row, decode tokens/s of the
-    language-model rows."""
+    """The pipeline's stage table in three panels: Recall@1 of every row beside the baselines (the
+    language-model rows with their 95% CI against the retriever order), the valid-ranking rate of
+    the language-model rows (an invalid answer falls back to the retriever order, so a row with a
+    low rate shows the retriever's Recall@1), and each row's decode speed relative to AR, with the
+    side-by-side batch-1 ratio of the final student when the summary has one."""
     rows = [r for r in summary.get("rows") or [] if r.get("recall@1") is not None]
     if not rows:
         return None
-    fig = _new((10.0, 3.8))
-    ax_r, ax_t = fig.subplots(1, 2)
-    names = [r["name"] for r in rows]
-    ax_r.barh(names, [r["recall@1"] for r in rows], color="C0")
-    ax_r.set_xlabel("Recall@1")
+    base = [{"name": n, **b["metrics"]} for n, b in (summary.get("baselines") or {}).items() if n != "retriever"]
+    fig = _new((13.0, 0.42 * (len(rows) + len(base)) + 1.8))
+    ax_r, ax_v, ax_s = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1.4, 1.0, 1.0]})
+    table = rows[:1] + base + rows[1:]
+    names = [r["name"] for r in table]
+    colors = ["C7"] + ["C2"] * len(base) + ["C0"] * (len(rows) - 1)
+    err = [[0.0, 0.0]] * (1 + len(base))
+    for r in rows[1:]:
+        ci = (r.get("vs_retriever") or {}).get("recall@1") or {}
+        d = ci.get("diff")
+        err.append([d - ci["ci_low"], ci["ci_high"] - d] if d is not None else [0.0, 0.0])
+    ax_r.barh(names, [r["recall@1"] for r in table], color=colors, xerr=list(zip(*err)), capsize=2)
+    ax_r.axvline(rows[0]["recall@1"], color="C7", ls="--", lw=0.8)
+    ax_r.set_xlabel("Recall@1 (green: baselines; bars: 95% CI vs retriever)")
     ax_r.invert_yaxis()
-    lm = [r for r in rows if r.get("tokens_per_second")]
-    if lm:
-        ax_t.barh([r["name"] for r in lm], [r["tokens_per_second"] for r in lm], color="C1")
-        ax_t.invert_yaxis()
-    ax_t.set_xlabel("decode tokens/s")
-    for ax in (ax_r, ax_t):
+    lm = rows[1:]
+    lm_names = [r["name"] for r in lm]
+    ax_v.barh(lm_names, [r.get("valid_rate") or 0.0 for r in lm], color="C1")
+    ax_v.set_xlim(0, 1.05)
+    ax_v.set_xlabel("valid rankings (share of test users)")
+    ax_v.invert_yaxis()
+    ax_s.barh(lm_names, [r.get("speedup_vs_ar") or 0.0 for r in lm], color="C4")
+    ax_s.axvline(1.0, color="k", lw=0.8)
+    sp = summary.get("speed")
+    ax_s.set_xlabel("tok/s ÷ AR's (evaluation batches)")
+    if sp:
+        ax_s.axvline(sp["batch1_speedup"], color="C3", ls="--", lw=1.2)
+        ax_s.set_title(f"red: final student at batch 1,\nside by side: {sp['batch1_speedup']:.2f}x AR", fontsize=9)
+    ax_s.invert_yaxis()
+    for ax in (ax_r, ax_v, ax_s):
         ax.grid(alpha=0.3, axis="x")
+    for ax in (ax_v, ax_s):
+        ax.tick_params(axis="y", labelsize=8)
     fig.suptitle(title or "Stage table")
     return _save(fig, path)

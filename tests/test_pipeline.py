@@ -33,6 +33,7 @@ def config(tmp_path_factory, tiny_catalog):
                    "max_new_tokens": 16, "max_draw_rounds": 1},
         },
         "eval": {"limit": 6, "batch_size": 3, "max_new_tokens": 16, "n_boot": 50},
+        "speed": {"n_prompts": 2, "repeats": 1, "warmup": 0},
     }
 
 
@@ -47,6 +48,9 @@ def test_pipeline_runs_every_stage_then_skips(config, capsys):
     assert "retriever order" in format_summary(summary)
     assert list(summary["stage_wall_seconds"]) == ["copy_warmup", "sft", "ar_rl", "cft", "opd", "rl"]
     assert (Path(config["out"]) / "rerank_data" / "copy_warmup.jsonl").is_file()
+    sp = summary["speed"]
+    assert sp["batch_size"] == 1 and sp["tau"] == 0.9 and sp["batch1_speedup"] > 0 and sp["repeats"] == 1
+    assert "side by side at batch 1" in format_summary(summary)
     capsys.readouterr()
     again = run_full_pipeline(config)
     log = capsys.readouterr().out
@@ -55,6 +59,10 @@ def test_pipeline_runs_every_stage_then_skips(config, capsys):
     # Training stages were skipped too: the stage outputs carry the first run's wall-clock.
     assert again["stage_wall_seconds"] == summary["stage_wall_seconds"]
     assert "skipped" in log
+    # and every evaluation and the speed run were read back, not decoded again
+    assert log.count("up to date, skipped") >= 2 + len(summary["rows"]) - 1 + 1, log
+    assert "eval +CFT+OPD+RL: up to date, skipped" in log and "speed: up to date, skipped" in log
+    assert again["speed"] == sp
 
 
 def test_copy_warmup_phases_build_their_own_files(tmp_path):
@@ -81,3 +89,66 @@ def test_copy_warmup_phases_build_their_own_files(tmp_path):
         copy_warmup_specs({"build": {"shuffle": True}}, tmp_path, 0)
     with pytest.raises(ValueError, match=r"copy_warmup\[1\]: expected a mapping"):
         copy_warmup_specs([{}, "fast"], tmp_path, 0)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_readme_quick_start_commands_work_on_what_the_pipeline_wrote(config):
+    """The README's quick start, run as written against a pipeline run's output directory
+    (`artifacts/demo` replaced by the tiny run's), the same way the RecBole snippet is tested."""
+    import json
+    import re
+    import shlex
+    import subprocess
+    import sys
+    import time
+
+    run_full_pipeline(config)  # skipped when done
+    out = Path(config["out"])
+    for name in ("teacher", "student"):
+        assert (out / "models" / name / "config.json").is_file(), name
+    text = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
+    block = re.search(r"<!-- quickstart -->\n```bash\n(.*?)```", text, re.S).group(1)
+    port = str(_free_port())
+    bin_dir = Path(sys.executable).parent
+    lines = [ln.split("#")[0].strip() for ln in block.splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith((". ", "source "))]
+    assert any(ln.startswith("dgr2 serve") for ln in lines) and any("client rerank" in ln for ln in lines)
+    server = None
+    outputs = []
+    try:
+        for ln in lines:
+            ln = ln.replace("artifacts/demo", str(out)).replace("50051", port)
+            if ln.startswith("kill"):
+                server.terminate()
+                assert server.wait(timeout=30) == 0
+                server = None
+                continue
+            background = ln.endswith("&")
+            argv = shlex.split(ln.rstrip("&").strip())
+            argv[0] = str(bin_dir / argv[0])
+            if background:
+                server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                health = [str(bin_dir / "dgr2"), "client", "health", "--target", f"127.0.0.1:{port}", "--timeout", "2"]
+                deadline = time.time() + 120
+                while subprocess.run(health, capture_output=True).returncode != 0:
+                    assert server.poll() is None, server.stderr.read()
+                    assert time.time() < deadline, "server did not become healthy in 120 s"
+                    time.sleep(0.5)
+                continue
+            res = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+            assert res.returncode == 0, f"{ln}\n{res.stdout}\n{res.stderr}"
+            outputs.append((ln, res.stdout))
+    finally:
+        if server is not None:
+            server.kill()
+    answers = [json.loads(o) for ln, o in outputs if "client rerank" in ln]
+    assert answers and all(len(a["items"]) == len(json.loads(
+        (out / "rerank_data" / "test.jsonl").read_text().splitlines()[0])["candidates"]) for a in answers)
+    assert any("Recall@1" in o or "recall@1" in o for ln, o in outputs if " eval " in ln)
