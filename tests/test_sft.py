@@ -220,6 +220,36 @@ def test_unmasked_forward_equals_the_padding_masked_one(world):
     with torch.no_grad():
         masked = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
                        position_ids=b["position_ids"], use_cache=False).logits
-        plain = _forward(model, b)
-    real = b["attention_mask"].bool()
-    torch.testing.assert_close(plain[real], masked[real], atol=1e-5, rtol=1e-5)
+        plain, start = _forward(model, b)
+    assert 0 < start < b["input_ids"].shape[1] - 1  # the prompt's columns were left out
+    real = b["attention_mask"].bool()[:, start:]
+    torch.testing.assert_close(plain[real], masked[:, start:][real], atol=1e-5, rtol=1e-5)
+
+
+def test_loss_on_kept_columns_equals_the_full_logits_loss(world):
+    """Projecting only the columns from the first one that predicts a supervised token gives the
+    same weighted loss, statistics and gradients as the full logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from reranker.stages.sft import _forward, _nll
+    from reranker.training.batches import read_jsonl
+
+    init, data = world
+    tok = AutoTokenizer.from_pretrained(str(init))
+    enc, _ = encode_examples(tok, read_jsonl(data / "train.jsonl"), 256)
+    b = collate(enc[:5], tok.pad_token_id, 0.5, 1.0)
+    grads = []
+    for kept in (True, False):
+        model = AutoModelForCausalLM.from_pretrained(str(init))
+        if kept:
+            loss, st = _nll(*_forward(model, b), b)
+        else:
+            logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False).logits
+            loss, st = weighted_nll(logits, b["labels"], b["loss_weights"], b["answer_mask"])
+        loss.backward()
+        grads.append((float(loss.detach()), st, [p.grad.clone() for p in model.parameters()]))
+    (l1, s1, g1), (l2, s2, g2) = grads
+    assert l1 == pytest.approx(l2, rel=1e-5) and s1["tokens"] == s2["tokens"]
+    assert s1["answer_tokens"] == s2["answer_tokens"] and s1["nll_sum"] == pytest.approx(s2["nll_sum"], rel=1e-5)
+    for a, c in zip(g1, g2):
+        torch.testing.assert_close(a, c, atol=1e-6, rtol=1e-4)

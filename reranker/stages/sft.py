@@ -25,7 +25,8 @@ import torch
 
 from reranker.stages.base import Stage, StageContext, StageResult
 from reranker.training import distributed as D
-from reranker.training.batches import collate, encode_examples, read_jsonl, read_train_records, weighted_nll
+from reranker.training.batches import (IGNORE, collate, encode_examples, read_jsonl, read_train_records,
+                                      weighted_nll)
 from reranker.training.checkpoint import (Checkpointer, TrainState, capture_rng, restore,
                                           save_hf_dir)
 from reranker.training.logging import RunLogger
@@ -97,11 +98,24 @@ def _to(batch: dict, device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def _forward(model, b: dict) -> torch.Tensor:
-    # No attention mask: collate pads on the right, so under causal attention no real token ever
-    # sees a pad (pads only follow it), and the pads' own outputs carry no loss. The unmasked path
-    # is the fused causal kernel, ~1.5x faster per step on CPU than an explicit padding mask.
-    return model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False).logits
+def _forward(model, b: dict) -> tuple[torch.Tensor, int]:
+    """(logits, start): the logits of batch `b` from column `start` on, the first column that
+    predicts a supervised token. The prompt's logits carry no loss, and at ~350 prompt tokens of
+    ~530 their projection onto the vocabulary was ~45% of a small model's training step
+    (docs/EXPERIMENTS.md).
+
+    No attention mask: collate pads on the right, so under causal attention no real token ever
+    sees a pad (pads only follow it), and the pads' own outputs carry no loss. The unmasked path
+    is the fused causal kernel, ~1.5x faster per step on CPU than an explicit padding mask."""
+    supervised = (b["labels"] != IGNORE).any(dim=0).nonzero()
+    start = max(int(supervised[0]) - 1, 0) if len(supervised) else 0
+    logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False,
+                   logits_to_keep=b["input_ids"].shape[1] - start).logits
+    return logits, start
+
+
+def _nll(logits: torch.Tensor, start: int, b: dict) -> tuple[torch.Tensor, dict]:
+    return weighted_nll(logits, b["labels"][:, start:], b["loss_weights"][:, start:], b["answer_mask"][:, start:])
 
 
 @torch.no_grad()
@@ -116,7 +130,7 @@ def evaluate(model, examples, pad_id: int, lambda_r: float, lambda_o: float, bat
     sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # weighted, tokens, nll, answer nll, answer tokens
     for s in range(0, len(mine), batch_size):
         b = _to(collate([examples[i] for i in mine[s:s + batch_size]], pad_id, lambda_r, lambda_o), device)
-        loss_sum, st = weighted_nll(_forward(model, b), b["labels"], b["loss_weights"], b["answer_mask"])
+        loss_sum, st = _nll(*_forward(model, b), b)
         parts = [float(loss_sum), st["tokens"], st["nll_sum"], st["answer_nll_sum"], st["answer_tokens"]]
         sums = [x + y for x, y in zip(sums, parts)]
     w, n, nll, anll, an = D.all_reduce_sum(sums, device)
@@ -234,8 +248,8 @@ def train_sft(ctx: StageContext) -> StageResult:
             b = _to(collate([train[i] for i in idx], pad_id, lam_r, lam_o), device)
             with D.no_sync(ddp, a < len(micro_batches) - 1):
                 with autocast(cfg["autocast"], device):
-                    logits = _forward(ddp, b)
-                loss_sum, st = weighted_nll(logits, b["labels"], b["loss_weights"], b["answer_mask"])
+                    logits, start = _forward(ddp, b)
+                loss_sum, st = _nll(logits, start, b)
                 # DDP averages gradients over ranks; × world turns that average into the sum.
                 (loss_sum * (world / max(n_tokens, 1))).backward()
             parts = [float(loss_sum.detach()), st["nll_sum"], st["answer_nll_sum"], st["answer_tokens"]]
