@@ -262,11 +262,11 @@ def _file_hash(path: Path) -> str:
 def _decode_options(ecfg: dict, decoder: str):
     from reranker.engine import DecodeOptions
 
-    opts = DecodeOptions(decoder=decoder, tau=float(ecfg.get("tau", 0.9)),
-                         max_new_tokens=int(ecfg.get("max_new_tokens", 320)))
+    extra = {}
     if decoder == "diffusion":  # the commit rule and EOS hold are diffusion settings; AR ignores them
-        opts.commit_rule = str(ecfg.get("commit_rule", opts.commit_rule))
-        opts.hold_eos = bool(ecfg.get("hold_eos", opts.hold_eos))
+        extra = {k: ecfg[k] for k in ("commit_rule", "hold_eos") if k in ecfg}
+    opts = DecodeOptions(decoder=decoder, tau=float(ecfg.get("tau", 0.9)),
+                         max_new_tokens=int(ecfg.get("max_new_tokens", 320)), **extra)
     opts.validate()
     return opts
 
@@ -297,7 +297,6 @@ def evaluate_rows(rows, data_dir: Path, ecfg: dict, eval_dir: Path) -> list[dict
             engine = RerankEngine.load(model_dir, data_dir)
             rep = evaluate(engine, examples, opts, int(ecfg.get("batch_size", 8)))
             rep.update(label=label, model=str(model_dir), eval_key=key)
-            rep.pop("vs_ar", None)
             atomic_write_text(path, json.dumps(rep, indent=2))
         if label == "AR GR2":
             ar_ranks = rep["ranks"]
