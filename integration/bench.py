@@ -6,21 +6,29 @@ a file without them says "not recorded"). A section whose files are missing says
 yet" and which command produces them. A file that does not match its schema is reported in place
 (with the error) rather than stopping the whole report.
 
-Sections, in order, each matched by file-name prefix (``<prefix><name>.json``, e.g.
-``stages-beauty.json``); the JSON schema each one expects is in its renderer's docstring. Renderers
-are lenient: optional keys may be missing (shown as "–"), only the keys called *required* must be
-there.
+Sections follow the data flow (retrieval → re-ranking data → AR teacher → conversion, CFT, OPD,
+RL → decoding speed → service → end to end), each matched by file-name prefix
+(``<prefix><name>.json``, e.g. ``stages-beauty.json``); the JSON schema each one expects is in its
+renderer's docstring. Renderers are lenient: optional keys may be missing (shown as "–"), only the
+keys called *required* must be there.
 
     retrieval-*            retrieval_section
     rerank-baselines-*     baselines_section
     rerank-ar-*            eval_section (a `dgr2 eval` report)
+    sid-copy-*             sid_copy_section
     diffusion-cft-*        eval_section
     stages-*               stages_section
     curves-*               curves_section
-    sid-copy-*             sid_copy_section
+    train-cost-*           train_cost_section
     diffusion-speed-*      speed_section, frontier_section, length_batch_section
+    forward-cost-*         forward_cost_section
     service-load*          service_section
     recbole-e2e-*          recbole_section
+
+``docs/results/*.json`` holds one current file per result. A run that a later run of the same
+measurement replaced moves to ``docs/results/archive/``; those files are rendered, in the order
+they were made, on their own page beside them (``docs/results/archive/BENCHMARKS.md``, plots in
+its ``plots/``), which the main page links at its end.
 """
 from __future__ import annotations
 
@@ -572,6 +580,8 @@ class Section:
     intro: str = ""
 
 
+# In the order of the data flow: retrieval, re-ranking data, the AR teacher, conversion and the
+# diffusion training stages, decoding speed, the service, RecBole end to end.
 SECTIONS = [
     Section("Retrieval: SASRec (RecBole) + FAISS", "retrieval-", retrieval_section,
             "dgr2 retrieve --config configs/<name>.yaml --results docs/results/retrieval-<name>.json"),
@@ -579,16 +589,18 @@ SECTIONS = [
             "dgr2 baselines --config configs/<name>.yaml --results docs/results/rerank-baselines-<name>.json"),
     Section("AR re-ranker (GR2)", "rerank-ar-", eval_section,
             "dgr2 eval --model <ar_dir> --data <data_dir> --decoder ar --out docs/results/rerank-ar-<name>.json"),
+    Section("SID copying diagnostic", "sid-copy-", sid_copy_section,
+            "dgr2 sid-copy --model <dir> --data <data_dir> --out docs/results/sid-copy-<name>.json"),
     Section("Diffusion re-ranker after CFT", "diffusion-cft-", eval_section,
             "dgr2 eval --model <cft_dir> --data <data_dir> --decoder diffusion --tau 0.9 --block-size 32 "
             "--out docs/results/diffusion-cft-<name>.json"),
     Section("Stage table: retriever → AR → conversion → CFT → OPD → RL", "stages-", stages_section,
             "dgr2 pipeline --config configs/<name>.yaml --results docs/results/stages-<name>.json, or "
             "dgr2 report stages --row <label>=<eval.json> ... --out docs/results/stages-<name>.json"),
-    Section("SID copying diagnostic", "sid-copy-", sid_copy_section,
-            "dgr2 sid-copy --model <dir> --data <data_dir> --out docs/results/sid-copy-<name>.json"),
     Section("Training curves (loss, KL, reward)", "curves-", curves_section,
             "dgr2 report curves --run <label>=<runs>/<stage> ... --out docs/results/curves-<name>.json"),
+    Section("Training step cost: float32 vs autocast bf16", "train-cost-", train_cost_section,
+            "dgr2 train-cost --size cpu --vocab 3032 --out docs/results/train-cost-<name>.json"),
     Section("Decode speed: block diffusion vs AR", "diffusion-speed-", speed_section,
             "dgr2 speed --ar <ar_dir> --diffusion <diff_dir> --data <data_dir> "
             "--out docs/results/diffusion-speed-<name>.json"),
@@ -600,8 +612,6 @@ SECTIONS = [
             "--out docs/results/diffusion-speed-<name>.json"),
     Section("Speed-up ceiling of exact block diffusion (forward cost)", "forward-cost-", forward_cost_section,
             "dgr2 forward-cost --size cpu --vocab 3032 --out docs/results/forward-cost-<name>.json"),
-    Section("Training step cost: float32 vs autocast bf16", "train-cost-", train_cost_section,
-            "dgr2 train-cost --size cpu --vocab 3032 --out docs/results/train-cost-<name>.json"),
     Section("Service load (gRPC)", "service-load", service_section,
             "dgr2 loadtest --target 127.0.0.1:50051 --requests <candidates.jsonl> --n 5000 --decoders ar,diffusion "
             "--concurrency 1,8,32 --out docs/results/service-load.json"),
@@ -614,15 +624,21 @@ def _matches(stem: str, prefix: str) -> bool:
     return stem.startswith(prefix) or stem == prefix.rstrip("-")
 
 
-def render_page(results: dict[str, dict], ctx: Ctx) -> list[str]:
-    lines = ["# Benchmarks", "",
-             "Generated by `dgr2 bench` from `docs/results/*.json` only; each table names the command and commit",
-             "that produced its numbers. Development machine: 2 CPU cores, 24 GB RAM, no GPU, shared with other jobs",
-             "(speed numbers carry their spread and the load average). Do not edit by hand: rerun `dgr2 bench`.", ""]
-    used = set()
+ARCHIVE = "archive"  # <results>/archive: runs that a later run of the same measurement replaced
+
+_MACHINE = ["Development machine: 2 CPU cores, 24 GB RAM, no GPU, shared with other jobs",
+            "(speed numbers carry their spread and the load average). Do not edit by hand: rerun `dgr2 bench`.", ""]
+
+
+def _sections(results: dict[str, dict], ctx: Ctx, missing: bool = True) -> list[str]:
+    """Every section in SECTIONS order, each file rendered in the order of `results`; a section without
+    files says "not measured yet" (or is left out when not `missing`), unmatched files are listed."""
+    lines, used = [], set()
     for sec in SECTIONS:
-        lines += [f"## {sec.title}", ""]
         names = [n for n in results if _matches(n, sec.prefix)]
+        if not names and not missing:
+            continue
+        lines += [f"## {sec.title}", ""]
         if not names:
             lines += [f"Not measured yet. Produced by: `{sec.produce}`.", ""]
             continue
@@ -642,12 +658,47 @@ def render_page(results: dict[str, dict], ctx: Ctx) -> list[str]:
     return lines
 
 
+def render_page(results: dict[str, dict], ctx: Ctx, archive_page: str | None = None) -> list[str]:
+    """The main page: the current results (by name, so `stages-beauty` precedes `stages-beauty-ablations`),
+    then a link to the archive page when there is one."""
+    results = dict(sorted(results.items()))
+    lines = ["# Benchmarks", "",
+             "Generated by `dgr2 bench` from `docs/results/*.json` only; each table names the command and commit",
+             "that produced its numbers. " + _MACHINE[0], *_MACHINE[1:]]
+    lines += _sections(results, ctx)
+    if archive_page:
+        lines += ["## Superseded runs", "",
+                  f"Runs that a later run of the same measurement replaced are on [their own page]({archive_page}), "
+                  "in the order they were made; their files are in `docs/results/archive/`.", ""]
+    return lines
+
+
+def render_archive_page(results: dict[str, dict], ctx: Ctx, main_page: str) -> list[str]:
+    """The archive page: superseded runs, oldest first within each section (by their recorded date)."""
+    ordered = dict(sorted(results.items(), key=lambda kv: (str(kv[1].get("date") or ""), kv[0])))
+    lines = ["# Benchmarks: superseded runs", "",
+             "Generated by `dgr2 bench` from `docs/results/archive/*.json`: runs that a later run of the same",
+             f"measurement replaced (the current results are in [BENCHMARKS.md]({main_page})), oldest first. Each",
+             "table names the command and commit that produced it, with the file name it was written to then.",
+             *_MACHINE]
+    return lines + _sections(ordered, ctx, missing=False)
+
+
 def build_benchmarks(results_dir: Path = RESULTS_DIR, out: Path = Path("docs/BENCHMARKS.md"),
                      plots_dir: Path | None = None) -> Path:
-    """Rebuild `out` (and PNGs under plots_dir, default <out's folder>/plots) from results_dir/*.json."""
-    out = Path(out)
+    """Rebuild `out` (and PNGs under plots_dir, default <out's folder>/plots) from results_dir/*.json, and,
+    when results_dir/archive holds result files, results_dir/archive/BENCHMARKS.md (PNGs in its plots/)."""
+    results_dir, out = Path(results_dir), Path(out)
+    archive = read_results(results_dir / ARCHIVE)
+    archive_page = None
+    if archive:
+        archive_out = results_dir / ARCHIVE / "BENCHMARKS.md"
+        actx = Ctx(plots_dir=archive_out.parent / "plots", page_dir=archive_out.parent)
+        main_link = Path(os.path.relpath(out, archive_out.parent)).as_posix()
+        atomic_write_text(archive_out, "\n".join(render_archive_page(archive, actx, main_link)).rstrip() + "\n")
+        archive_page = Path(os.path.relpath(archive_out, out.parent)).as_posix()
     ctx = Ctx(plots_dir=Path(plots_dir) if plots_dir is not None else out.parent / "plots", page_dir=out.parent)
-    lines = render_page(read_results(results_dir), ctx)
+    lines = render_page(read_results(results_dir), ctx, archive_page)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, "\n".join(lines).rstrip() + "\n")
     return out

@@ -110,6 +110,12 @@ def test_every_section_renders_with_provenance_and_plots(tmp_path):
     assert "Not measured yet" not in md and "Could not render" not in md
     for sec in SECTIONS:
         assert f"## {sec.title}" in md
+    # sections follow the data flow: retrieval first, the AR teacher before the diffusion stages, speed,
+    # the service, then RecBole end to end
+    titles = ["Retrieval", "Re-ranking baselines", "AR re-ranker", "Stage table", "Decode speed", "Service load",
+              "RecBole end to end"]
+    assert [md.index(f"## {t}") for t in titles] == sorted(md.index(f"## {t}") for t in titles)
+    assert "Superseded runs" not in md  # no archive, no link
     assert md.count("commit `abc1234`") >= 13 and "dgr2 fake --x" in md
     assert "Command: not recorded" in md  # the baselines file carries no provenance
     assert "+CFT+OPD+RL" in md and "0.3340 (+0.0040 [-0.0060, +0.0140])" in md  # stage cell with CI vs AR
@@ -157,3 +163,22 @@ def test_partial_and_malformed_files(tmp_path):
     assert "Could not render `stages-bad.json`" in md
     assert (tmp_path / "plots" / "speedup-batch-x.png").exists()
     assert not (tmp_path / "plots" / "tau-frontier-x.png").exists()
+
+
+def test_superseded_runs_get_their_own_page_oldest_first(tmp_path):
+    res = fake_results()
+    results = tmp_path / "results"
+    write(results, {"stages-tiny": res["stages-tiny"], "stages-tiny-ablations": res["stages-tiny"]})
+    write(results / "archive", {"stages-tiny-b": dict(res["stages-tiny"], date="2024-06-01 00:00 UTC"),
+                                "stages-tiny-c": dict(res["stages-tiny"], date="2024-01-01 00:00 UTC"),
+                                "diffusion-speed-tiny-old": res["diffusion-speed-tiny"]})
+    md = build_benchmarks(results, tmp_path / "docs" / "BENCHMARKS.md", tmp_path / "docs" / "plots").read_text()
+    assert "tiny-b" not in md and "tiny-old" not in md
+    assert md.index("### tiny\n") < md.index("### tiny-ablations")  # the main file before its variants
+    assert "](../results/archive/BENCHMARKS.md)" in md  # linked at the end of the main page
+    page = (results / "archive" / "BENCHMARKS.md").read_text()
+    assert "](../../docs/BENCHMARKS.md)" in page
+    assert "Not measured yet" not in page and "## Retrieval" not in page  # only sections with archived files
+    assert page.index("### tiny-c") < page.index("### tiny-b")  # by recorded date, not by name
+    assert (results / "archive" / "plots" / "speedup-batch-tiny-old.png").exists()
+    assert not (tmp_path / "docs" / "plots" / "speedup-batch-tiny-old.png").exists()
