@@ -1,4 +1,5 @@
-"""RecBole atomic files (`<name>.inter`, `<name>.item`): strict loading and atomic writing.
+"""RecBole atomic files (`<name>.inter`, `<name>.item`): strict loading, and writing (atomically,
+through candidate_gen.files, the shared I/O module).
 
 RecBole itself is forgiving about malformed rows (it lets pandas guess); a retrieval stack is not.
 Every problem is reported with the file, the line number and the field, so a user can fix the data
@@ -10,9 +11,10 @@ from __future__ import annotations
 import logging
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .files import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -178,58 +180,6 @@ def load_items(path: str | os.PathLike) -> ItemTable:
     if not table.titles:
         raise AtomicFormatError(f"{path}: empty file (header only, no items)")
     return table
-
-
-def read_jsonl(path: str | os.PathLike, required: dict[str, type] | None = None,
-               limit: int | None = None, check=None) -> list[dict]:
-    """JSON-lines records; `required` fields are checked by type, then `check(row)` may return an
-    error message ("field 'x': ..."). Errors name file, line and field."""
-    import json
-
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: file not found")
-    rows: list[dict] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                row = json.loads(raw)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            for name, typ in (required or {}).items():
-                if name not in row:
-                    raise ValueError(f"{path}:{lineno}: field {name!r} is missing")
-                value = row[name]
-                if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-                    raise ValueError(f"{path}:{lineno}: field {name!r}: expected {typ.__name__}, got {value!r:.60}")
-            problem = check(row) if check is not None else None
-            if problem:
-                raise ValueError(f"{path}:{lineno}: {problem}")
-            rows.append(row)
-            if limit is not None and len(rows) >= limit:
-                break
-    return rows
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write text to a temp file beside `path`, then rename: readers never see half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a result or data file is for everyone to read
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
 
 
 def write_interactions(path, users, items, timestamps) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from .atomic import atomic_write_text
+from .files import atomic_write_text
 
 KINDS = ("flat", "hnsw", "ivfpq")
 

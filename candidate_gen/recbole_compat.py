@@ -1,18 +1,26 @@
-"""Scoped compatibility shim for RecBole 1.2.1 on numpy 2 and torch >= 2.6.
+"""Scoped compatibility shim for RecBole 1.2.1 on numpy 2, and a guard against its pickle caches.
 
-RecBole's Config sets `np.float = np.float_` etc. (aliases numpy 2 removed), and its Trainer loads
-its own checkpoints with `torch.load` (weights_only now defaults to True). Both are patched only
-for the duration of a `with recbole_compat():` block and restored afterwards, so no other code in
-the process sees a modified numpy or torch. RecBole's TensorBoard writer is redirected into the run
-directory instead of `./log_tensorboard`.
+RecBole's Config sets `np.float = np.float_` etc. (aliases numpy 2 removed); the aliases it needs
+are provided only for the duration of a `with recbole_compat():` block and restored afterwards, so
+no other code in the process sees a modified numpy. RecBole's TensorBoard writer is redirected into
+the run directory instead of `./log_tensorboard`.
+
+Nothing is unpickled inside the block. `create_dataset` and `data_preparation` unpickle a cached
+dataset / dataloaders file whenever one exists in `checkpoint_dir` (`<dataset>-SequentialDataset.pth`,
+`<dataset>-for-<model>-dataloader.pth`) or at `dataset_save_path` / `dataloaders_save_path`; a crafted
+file there (a served retrieval directory's sasrec/, say) would run code. Inside the block those loads
+raise a ValueError naming the file instead (this project never writes such caches). torch.load keeps
+its safe default (weights_only=True): SASRec weights are stored as safetensors (candidate_gen/sasrec.py),
+RecBole's Trainer keeps its best model in memory there, and no code path here calls the Trainer's own
+loads (`resume_checkpoint`, `evaluate(load_best_model=True)`).
 """
 from __future__ import annotations
 
 import contextlib
-import functools
+import pickle
+import types
 
 import numpy as np
-import torch
 
 # numpy 2 removed these; RecBole's Config reads them to build its own (also removed) aliases.
 _NUMPY_ALIASES = {"float_": np.float64, "complex_": np.complex128, "unicode_": np.str_, "bool8": np.bool_}
@@ -21,24 +29,31 @@ _RECBOLE_ASSIGNS = ("bool", "int", "float", "complex", "object", "str", "long", 
 _MISSING = object()
 
 
+def _refuse_unpickling(f, *args, **kwargs):
+    name = getattr(f, "name", f)
+    raise ValueError(f"{name}: a pickled RecBole dataset/dataloader cache, which is not loaded (unpickling a "
+                     "file can run code); delete it (this project never writes one; RecBole rebuilds the "
+                     "dataset from the atomic files)")
+
+
+# What recbole.data.utils sees as `pickle` inside the block: dumps as before, never loads.
+_NO_LOAD_PICKLE = types.SimpleNamespace(dump=pickle.dump, dumps=pickle.dumps, load=_refuse_unpickling,
+                                        loads=_refuse_unpickling, HIGHEST_PROTOCOL=pickle.HIGHEST_PROTOCOL)
+
+
 @contextlib.contextmanager
 def recbole_compat(tensorboard_dir: str | None = None):
     saved = {n: np.__dict__.get(n, _MISSING) for n in (*_NUMPY_ALIASES, *_RECBOLE_ASSIGNS)}
-    original_load = torch.load
 
-    @functools.wraps(original_load)
-    def load_recbole_checkpoint(*args, **kwargs):
-        # Only RecBole's own checkpoints pass through here (it pickles its config in them).
-        kwargs.setdefault("weights_only", False)
-        return original_load(*args, **kwargs)
-
-    import recbole.trainer.trainer as rb_trainer  # noqa: E402  (import under the shim)
+    import recbole.data.utils as rb_data_utils  # noqa: E402
+    import recbole.trainer.trainer as rb_trainer  # noqa: E402
 
     original_tb = rb_trainer.get_tensorboard
+    original_pickle = rb_data_utils.pickle
     for name, value in _NUMPY_ALIASES.items():
         if saved[name] is _MISSING:
             setattr(np, name, value)
-    torch.load = load_recbole_checkpoint
+    rb_data_utils.pickle = _NO_LOAD_PICKLE
     if tensorboard_dir is not None:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -46,7 +61,7 @@ def recbole_compat(tensorboard_dir: str | None = None):
     try:
         yield
     finally:
-        torch.load = original_load
+        rb_data_utils.pickle = original_pickle
         rb_trainer.get_tensorboard = original_tb
         for name, value in saved.items():
             if value is _MISSING:

@@ -3,7 +3,8 @@
 Writes an artifacts directory:
 
     data/<name>/<name>.inter      validated, k-cored copy that RecBole reads
-    sasrec/sasrec.pth             RecBole checkpoint of the main retriever
+    sasrec/sasrec.safetensors     state dict of the main retriever (SASRec; no pickle)
+    sasrec/train_info.json        its training seconds and settings (RecBole's Config is rebuilt from them)
     item_embeddings.npy, items.json
     index/items.faiss, index/items.json
     sequences.json                time-ordered sequences per user (raw ids)
@@ -27,7 +28,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .atomic import atomic_write_text, find_atomic_file, load_interactions
+from .atomic import find_atomic_file, load_interactions
+from .files import atomic_write_text, write_jsonl
 from .index import ItemIndex
 from .metrics import ndcg_at, recall_at, target_ranks
 from .sasrec import SasrecEncoder, train_sasrec, write_recbole_dataset
@@ -65,10 +67,6 @@ def _records(examples: list[Example], seqs, items, scores, fold=None):
             rec["fold"] = fold
         out.append(rec)
     return out
-
-
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    atomic_write_text(path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
 
 
 def lists_for(encoder: SasrecEncoder, index: ItemIndex, examples: list[Example], seqs, n: int,
@@ -183,7 +181,7 @@ def run_retrieval(cfg: RetrievalSettings) -> dict:
                         f"test_users_target_in_top{n}": int(((ranks >= 0) & (ranks < n)).sum())})
         res[f"{sp}_hit_rate"] = recall_at(ranks, n)
         lists[sp] = (exs, [i[:n] for i in items], [s[:n] for s in scores])
-        _write_jsonl(out / "candidates" / f"{sp}.jsonl", _records(exs, seqs, *lists[sp][1:]))
+        write_jsonl(out / "candidates" / f"{sp}.jsonl", _records(exs, seqs, *lists[sp][1:]), ensure_ascii=True)
 
     # 3. FAISS exact vs RecBole full-sort (history masked), and HNSW recall against exact.
     test_top = {e.user: it[:10] for e, it in zip(lists["test"][0], lists["test"][1])}
@@ -227,7 +225,7 @@ def run_retrieval(cfg: RetrievalSettings) -> dict:
         res["train_hit_rate_crossfit"] = None
     res["folds"] = fold_info
     rows.sort(key=lambda r: (r["user"], r["position"]))
-    _write_jsonl(out / "candidates" / "train.jsonl", rows)
+    write_jsonl(out / "candidates" / "train.jsonl", rows, ensure_ascii=True)
     res["wall_seconds"] = time.time() - t_start
     atomic_write_text(out / "metrics.json", json.dumps(res, indent=2))
     return res

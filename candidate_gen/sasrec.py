@@ -4,11 +4,23 @@
 dataset's id maps and the trained model). After training, the model is wrapped in `SasrecEncoder`,
 which maps raw item ids to RecBole's internal ids and embeds any history prefix, so the FAISS index
 and the candidate lists use exactly the vectors RecBole's own `full_sort_predict` scores with.
+
+A trained SASRec is stored as data, never as a pickle (unpickling a file can run code, and these
+files are served): `sasrec.safetensors` (the state dict) and `train_info.json` (training seconds and
+the `settings` - dataset name, params, seed - from which `recbole_config_dict` rebuilds RecBole's
+Config). RecBole's Trainer would pickle its best model, Config included, into `checkpoint_dir`; here
+its `_save_checkpoint` keeps the best state dict in memory instead, so no `.pth` is written or read.
+The settings are checked before RecBole sees them (`check_settings`): RecBole's Config `eval`s every
+string value of a config dict.
 """
 from __future__ import annotations
 
 import json
 import logging
+import math
+import os
+import re
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,9 +29,14 @@ import numpy as np
 import torch
 
 from .atomic import write_interactions
+from .files import atomic_write_text
 from .recbole_compat import recbole_compat
 
 log = logging.getLogger(__name__)
+
+WEIGHTS_NAME = "sasrec.safetensors"  # the state dict, in a run's (or an artifacts') sasrec/ directory
+INFO_NAME = "train_info.json"        # {"train_seconds": ..., "settings": {"dataset", "params", "seed"}}
+LEGACY_NAME = "sasrec.pth"           # what older runs wrote: a pickle, never loaded
 
 # Settings a user may override from the YAML config (`sasrec:` section); RecBole's own names.
 DEFAULT_SASREC = {
@@ -94,32 +111,232 @@ class SasrecRun:
     test_result: dict
 
 
+# ------------------------------------------------------------ stored settings and weights
+_NAME = re.compile(r"[^/\\\x00]{1,100}")  # a dataset name: one path component (not "." or "..")
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+# RecBole's Config `eval`s each top-level string of a config dict: allow only what evaluates without
+# a call, subscript or string literal (names like "gelu", numbers like "1e-3").
+_SAFE_STR = re.compile(r"[A-Za-z0-9_.+\-]{0,64}")
+# Keys that name the model, the data, files or directories, or start distributed training.
+_DENIED_KEYS = {"model", "dataset", "gpu_id", "nproc", "world_size", "ip", "port", "offset", "local_rank",
+                "config_files"}
+_DENIED_SUFFIXES = ("_path", "_dir", "_file", "_filename", "_files")
+
+
+def _check_value(value, where: str, top: bool) -> None:
+    if value is None or isinstance(value, bool | int):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: expected a finite number, got {value!r}")
+        return
+    if isinstance(value, str):
+        if top and (not _SAFE_STR.fullmatch(value) or "__" in value):
+            raise ValueError(f"{where}: {value!r:.80} is not a plain name or number (RecBole would evaluate it)")
+        return
+    if isinstance(value, list):
+        for k, v in enumerate(value):
+            _check_value(v, f"{where}[{k}]", False)
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"{where}: key {k!r} is not a string")
+            _check_value(v, f"{where}.{k}", False)
+        return
+    raise ValueError(f"{where}: unsupported value of type {type(value).__name__}")
+
+
+def check_settings(settings, source: str = "settings") -> dict:
+    """`settings` ({"dataset", "params", "seed"}) if RecBole can be given them safely, else a ValueError
+    naming `source` and the field: the dataset is one path component, params are JSON values under
+    RecBole-style keys (no file, directory or distributed keys) whose strings evaluate without a call."""
+    if not isinstance(settings, dict):
+        raise ValueError(f"{source}: settings: expected an object, got {type(settings).__name__}")
+    missing = {"dataset", "params", "seed"} - set(settings)
+    if missing:
+        raise ValueError(f"{source}: settings: missing {', '.join(sorted(missing))}")
+    name, params, seed = settings["dataset"], settings["params"], settings["seed"]
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or name in (".", ".."):
+        raise ValueError(f"{source}: settings.dataset: {name!r:.80} is not a dataset name (one path component)")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"{source}: settings.seed: expected an integer, got {seed!r:.40}")
+    if params is not None and not isinstance(params, dict):
+        raise ValueError(f"{source}: settings.params: expected an object, got {type(params).__name__}")
+    for key, value in (params or {}).items():
+        where = f"{source}: settings.params.{key}"
+        if not isinstance(key, str) or not _KEY.fullmatch(key):
+            raise ValueError(f"{source}: settings.params: {key!r:.80} is not a RecBole setting name")
+        if key in _DENIED_KEYS or key.endswith(_DENIED_SUFFIXES):
+            raise ValueError(f"{where}: not taken from a stored file (it names a path or a process setting)")
+        _check_value(value, where, True)
+    return {"dataset": name, "params": params, "seed": seed}
+
+
+def read_train_info(path: str | os.PathLike) -> dict:
+    """train_info.json as a dict; its settings, when present, checked (`check_settings`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing; re-run `dgr2 retrieve` to write the SASRec files")
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(info, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(info).__name__}")
+    if "settings" in info:
+        info["settings"] = check_settings(info["settings"], str(path))
+    return info
+
+
+def save_weights(path: str | os.PathLike, state_dict: dict) -> Path:
+    """A state dict as safetensors, atomically (a temp file beside `path`, then a rename)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def load_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """A SASRec state dict from `sasrec.safetensors` (or the directory holding it), on the CPU.
+
+    Nothing is unpickled: a `.pth` path, or a directory with only an old `sasrec.pth`, is an error
+    saying to re-run `dgr2 retrieve`; an unreadable file is a ValueError naming it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / WEIGHTS_NAME
+    if path.suffix in (".pth", ".pt", ".bin", ".ckpt"):
+        raise ValueError(f"{path}: a pickled PyTorch checkpoint, which is not loaded (unpickling a file can run "
+                         f"code); SASRec weights are {WEIGHTS_NAME} now: re-run `dgr2 retrieve` to write them and "
+                         f"point at {path.with_name(WEIGHTS_NAME)}")
+    if not path.is_file():
+        legacy = path.with_name(LEGACY_NAME)
+        if legacy.exists():
+            raise FileNotFoundError(f"{path}: missing; {legacy} is an old pickled checkpoint, which is not loaded "
+                                    f"(unpickling a file can run code): re-run `dgr2 retrieve` to write {WEIGHTS_NAME}")
+        raise FileNotFoundError(f"{path}: missing; run `dgr2 retrieve` to train SASRec")
+    try:
+        return load_file(str(path), device="cpu")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{path}: not a readable safetensors file ({reason}); re-run `dgr2 retrieve` "
+                         "to write it again") from None
+
+
+def load_state_into(model: torch.nn.Module, path: str | os.PathLike) -> None:
+    """`load_weights(path)` into `model`; weights that do not fit are a ValueError naming the file."""
+    state = load_weights(path)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise ValueError(f"{path}: the weights do not fit the SASRec model its settings build "
+                         f"({str(e).splitlines()[0]})") from None
+
+
+def save_trained(run_dir: Path, state_dict: dict, settings: dict, train_seconds: float) -> Path:
+    """sasrec.safetensors, then train_info.json (each atomic; a reader that finds the settings finds the
+    weights). An old sasrec.pth beside them is removed: nothing may load it later."""
+    weights = save_weights(run_dir / WEIGHTS_NAME, state_dict)
+    atomic_write_text(run_dir / INFO_NAME, json.dumps({"train_seconds": train_seconds, "settings": settings}))
+    (run_dir / LEGACY_NAME).unlink(missing_ok=True)
+    return weights
+
+
+def load_trained(sasrec_dir: str | os.PathLike, data_root: str | os.PathLike, device: str = "cpu"):
+    """(RecBole SASRec in eval mode, RecBole dataset) from a run's sasrec/ directory: the Config rebuilt
+    from train_info.json's settings (`recbole_config_dict`, paths replaced by `data_root` and
+    `sasrec_dir`), the dataset from `data_root/<dataset>`, the weights from sasrec.safetensors."""
+    sasrec_dir, data_root = Path(sasrec_dir), Path(data_root)
+    weights = sasrec_dir / WEIGHTS_NAME
+    if not weights.is_file():
+        load_weights(weights)  # raises the right error (missing, or only an old pickle)
+    info = read_train_info(sasrec_dir / INFO_NAME)
+    if "settings" not in info:
+        raise ValueError(f"{sasrec_dir / INFO_NAME}: no settings recorded; re-run `dgr2 retrieve`")
+    settings = info["settings"]
+    name = settings["dataset"]
+    if not (data_root / name).is_dir():
+        raise FileNotFoundError(f"{data_root / name}: missing; the retrieval artifacts lack the RecBole dataset copy")
+    cfg = recbole_config_dict(data_root, sasrec_dir, settings["params"], settings["seed"])
+    cfg.update(use_gpu=device != "cpu", save_dataset=False, save_dataloaders=False, show_progress=False)
+    with recbole_compat():
+        from recbole.config import Config
+        from recbole.data import create_dataset
+        from recbole.model.sequential_recommender import SASRec
+
+        config = Config(model="SASRec", dataset=name, config_dict=cfg)
+        config["device"] = torch.device(device)
+        dataset = create_dataset(config)
+        model = SASRec(config, dataset)
+        load_state_into(model, weights)
+    return model.to(device).eval(), dataset
+
+
+# ------------------------------------------------------------ training
 def _reuse_checkpoint(done: Path, info_path: Path, settings: dict, model, device) -> float | None:
-    """Load a finished SASRec checkpoint into `model` if it was trained with these settings; returns
-    its training seconds, or None (train again). A checkpoint from before settings were recorded is
-    reused only if its weights fit the model (a changed size used to load silently or crash)."""
+    """Load a finished SASRec (`done`, sasrec.safetensors) into `model` if it was trained with these
+    settings; returns its training seconds, or None (train again). Weights from before settings were
+    recorded are reused only if they fit the model, and the settings are recorded then (a later load
+    rebuilds the Config from them). An old pickled sasrec.pth is never loaded."""
     if not done.exists():
+        if done.with_name(LEGACY_NAME).exists():
+            log.warning("%s is an old pickled SASRec checkpoint, which is not loaded; training again",
+                        done.with_name(LEGACY_NAME))
         return None
-    info = json.loads(info_path.read_text()) if info_path.exists() else {}
+    try:
+        info = read_train_info(info_path) if info_path.exists() else {}
+    except ValueError as e:
+        log.warning("%s; training again", e)
+        return None
     if "settings" in info and info["settings"] != settings:
         log.warning("SASRec checkpoint %s was trained with other settings; training again", done)
         return None
-    state = torch.load(done, map_location=device)
     try:
-        model.load_state_dict(state["state_dict"])
-    except RuntimeError as e:
-        log.warning("SASRec checkpoint %s does not fit the configured model (%s); training again",
-                    done, str(e).splitlines()[0])
+        load_state_into(model, done)
+    except ValueError as e:
+        log.warning("SASRec checkpoint %s does not load (%s); training again", done, e)
         return None
+    if "settings" not in info:
+        atomic_write_text(info_path, json.dumps({**info, "settings": settings}))
     log.info("reusing trained SASRec checkpoint %s", done)
     return float(info.get("train_seconds", 0.0))
+
+
+def _keep_best_in_memory(trainer) -> dict:
+    """Make `trainer` keep its best model's state dict in the returned dict (a CPU copy) instead of
+    pickling it to `saved_model_file`; `fit` saves exactly when the validation score improves."""
+    best: dict = {}
+
+    def keep(epoch, verbose=True, **kwargs):
+        best["epoch"] = epoch
+        best["state_dict"] = {k: v.detach().to("cpu", copy=True) for k, v in trainer.model.state_dict().items()}
+
+    trainer._save_checkpoint = keep
+    return best
 
 
 def train_sasrec(data_root: Path, name: str, run_dir: Path, params: dict, seed: int = 0,
                  evaluate: bool = True) -> SasrecRun:
     """Train SASRec on `<data_root>/<name>`; resumes nothing but reuses a finished checkpoint."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    done = run_dir / "sasrec.pth"
+    done = run_dir / WEIGHTS_NAME
+    settings = json.loads(json.dumps({"dataset": name, "params": params, "seed": seed}, default=str))
+    check_settings(settings, f"SASRec settings for {run_dir}")  # what a later load will accept
     with recbole_compat(tensorboard_dir=str(run_dir / "tensorboard")):
         from recbole.config import Config
         from recbole.data import create_dataset, data_preparation
@@ -135,17 +352,18 @@ def train_sasrec(data_root: Path, name: str, run_dir: Path, params: dict, seed: 
         model = SASRec(config, train_data.dataset).to(config["device"])
         trainer = Trainer(config, model)
         t0 = time.time()
-        settings = json.loads(json.dumps({"dataset": name, "params": params, "seed": seed}, default=str))
-        reused = _reuse_checkpoint(done, run_dir / "train_info.json", settings, model, config["device"])
+        reused = _reuse_checkpoint(done, run_dir / INFO_NAME, settings, model, config["device"])
         if reused is not None:
             train_seconds = reused
         else:
+            best = _keep_best_in_memory(trainer)
             trainer.fit(train_data, valid_data, saved=True, show_progress=config["show_progress"])
-            state = torch.load(trainer.saved_model_file, map_location=config["device"])
-            model.load_state_dict(state["state_dict"])
+            if "state_dict" in best:
+                model.load_state_dict(best["state_dict"])
+            else:  # fit saved nothing (no epoch ran): the weights as they are
+                log.warning("SASRec training recorded no best model; keeping the last weights")
             train_seconds = time.time() - t0
-            Path(trainer.saved_model_file).replace(done)
-            (run_dir / "train_info.json").write_text(json.dumps({"train_seconds": train_seconds, "settings": settings}))
+            save_trained(run_dir, model.state_dict(), settings, train_seconds)
         model.eval()
         test_result = {}
         if evaluate:

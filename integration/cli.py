@@ -8,29 +8,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from .config import ConfigError, load_config, section
+from candidate_gen.files import write_result
 
-
-def _retrieval_settings(cfg: dict, data: str | None, out: str | None):
-    from candidate_gen.retrieve import RetrievalSettings
-
-    d = section(cfg, "data")
-    r = section(cfg, "retrieval")
-    data_dir = data or d.get("dir")
-    return RetrievalSettings(
-        out=Path(out or r.get("out") or Path(cfg["out"]) / "retrieval"),
-        data_dir=Path(data_dir) if data_dir else None,
-        synthetic=d.get("synthetic") or {},
-        user_k=int(d.get("user_k", 5)),
-        item_k=int(d.get("item_k", 5)),
-        seed=int(cfg.get("seed", 0)),
-        n_candidates=int(r.get("n_candidates", 10)),
-        crossfit_folds=int(r.get("crossfit_folds", 2)),
-        index=r.get("index", "flat"),
-        sasrec=r.get("sasrec") or {},
-        fold_sasrec=r.get("fold_sasrec") or {},
-        agreement_users=int(r.get("agreement_users", 0)),
-    )
+from .config import ConfigError, load_config, retrieval_settings, section
 
 
 def _command() -> str:
@@ -42,11 +22,9 @@ def cmd_retrieve(args) -> int:
     from candidate_gen.retrieve import run_retrieval
 
     cfg = load_config(args.config)
-    res = run_retrieval(_retrieval_settings(cfg, args.data, args.out))
+    res = run_retrieval(retrieval_settings(cfg, args.data, args.out))
     print(format_retrieval(res))
     if args.results:
-        from .results import write_result
-
         write_result(args.results, res, _command())
         print(f"results written to {args.results}")
     return 0
@@ -54,8 +32,6 @@ def cmd_retrieve(args) -> int:
 
 def cmd_results(args) -> int:
     """Export an existing artifacts directory's metrics.json as a docs/results file."""
-    from .results import write_result
-
     metrics = json.loads((Path(args.artifacts) / "metrics.json").read_text())
     if args.remeasure_hnsw:
         from candidate_gen.retrieve import remeasure_hnsw
@@ -130,8 +106,6 @@ def cmd_train_cost(args) -> int:
               f"[{r['seconds']['min']:.3f}-{r['seconds']['max']:.3f}]")
     print(f"speed-up {rep['speedup']:.2f}x ({args.batch_size} sequences of {args.length} tokens)")
     if args.out:
-        from .results import write_result
-
         write_result(args.out, rep, _command())
         print(f"results written to {args.out}")
     return 0
@@ -163,8 +137,6 @@ def cmd_pipeline(args) -> int:
     print(f"\nsummary: {Path(cfg['out']) / 'summary.json'}; per-row reports: {Path(cfg['out']) / 'eval'}"
           + (f"; plot: {plot}" if plot else "") + f"  ({time.time() - t0:.0f} s)")
     if getattr(args, "results", None):
-        from .results import write_result
-
         write_result(args.results, summary, _command())
     return 0
 
@@ -185,8 +157,6 @@ def cmd_eval(args) -> int:
         write_outputs(args.outputs, rep.pop("outputs"))  # beside the report, not inside it
         print(f"per-example outputs written to {args.outputs}")
     if args.out:
-        from .results import write_result
-
         write_result(args.out, rep, _command())
         print(f"results written to {args.out}")
     return 0
@@ -257,7 +227,7 @@ def _data_paths(cfg: dict, data: str | None):
     """(retrieval artifacts dir, items file, re-ranking data dir) for a config."""
     from candidate_gen.atomic import find_atomic_file
 
-    rs = _retrieval_settings(cfg, data, None)
+    rs = retrieval_settings(cfg, data, None)
     src = rs.data_dir if rs.data_dir is not None else Path(rs.out) / "source"
     dcfg = section(cfg, "rerank_data")
     items = dcfg.get("items_path") or find_atomic_file(src, "item")
@@ -315,8 +285,6 @@ def cmd_sid_copy(args) -> int:
             print(f"  greedy decoding: valid {g['valid_rate']:.3f}, the reference order {g['exact_rate']:.3f}"
                   + "".join(f", {k} {v}" for k, v in g["failures"].items()))
     if args.out:
-        from .results import write_result
-
         payload = {"rows": rows}
         if args.add_to and Path(args.out).is_file():
             old = json.loads(Path(args.out).read_text(encoding="utf-8"))
@@ -329,7 +297,6 @@ def cmd_sid_copy(args) -> int:
 
 def cmd_report(args) -> int:
     from . import report as R
-    from .results import write_result
 
     if args.kind == "ar":
         if not args.eval:
@@ -358,8 +325,6 @@ def cmd_baselines(args) -> int:
     res = run_baselines(args.data_dir or data_dir, seed=int(cfg.get("seed", 0)))
     print(baselines_table(res))
     if args.results:
-        from .results import write_result
-
         write_result(args.results, res, _command())
         print(f"results written to {args.results}")
     return 0
@@ -384,8 +349,6 @@ def cmd_e2e(args) -> int:
         command = "; ".join(c for c in (old.get("command"), command) if c)
     print(format_e2e(res))
     if args.out:
-        from .results import write_result
-
         write_result(args.out, res, command)
         print(f"results written to {args.out}")
     return 0
@@ -405,7 +368,7 @@ def format_retrieval(res: dict) -> str:
 
 def _add_diffusion_rule_flags(parser) -> None:
     """The diffusion decoder's commit rule and EOS hold, the same flags for every command that decodes."""
-    from reranker.decoding.forward import COMMIT_RULES
+    from reranker.decoding.rules import COMMIT_RULES
 
     parser.add_argument("--hold-eos", action="store_true",
                         help="diffusion: commit EOS only as the position a step must commit, not on confidence "
@@ -611,7 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--force", action="store_true", help="redo the stage even if it is complete")
     t.set_defaults(func=cmd_train)
-    from reranker.service.server import add_serve_arguments
+    from reranker.service.options import add_serve_arguments
 
     sv = sub.add_parser("serve", help="serve Rerank / Recommend over gRPC")
     add_serve_arguments(sv)

@@ -33,3 +33,26 @@ def section(cfg: dict, name: str) -> dict:
     if not isinstance(value, dict):
         raise ConfigError(f"config section '{name}' must be a mapping, got {value!r}")
     return value
+
+
+def retrieval_settings(cfg: dict, data: str | None, out: str | None):
+    """The config's data and retrieval sections as RetrievalSettings (`data` and `out` override them)."""
+    from candidate_gen.retrieve import RetrievalSettings
+
+    d = section(cfg, "data")
+    r = section(cfg, "retrieval")
+    data_dir = data or d.get("dir")
+    return RetrievalSettings(
+        out=Path(out or r.get("out") or Path(cfg["out"]) / "retrieval"),
+        data_dir=Path(data_dir) if data_dir else None,
+        synthetic=d.get("synthetic") or {},
+        user_k=int(d.get("user_k", 5)),
+        item_k=int(d.get("item_k", 5)),
+        seed=int(cfg.get("seed", 0)),
+        n_candidates=int(r.get("n_candidates", 10)),
+        crossfit_folds=int(r.get("crossfit_folds", 2)),
+        index=r.get("index", "flat"),
+        sasrec=r.get("sasrec") or {},
+        fold_sasrec=r.get("fold_sasrec") or {},
+        agreement_users=int(r.get("agreement_users", 0)),
+    )

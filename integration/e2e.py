@@ -17,7 +17,7 @@ import numpy as np
 
 from reranker.metrics import paired_bootstrap, per_user
 
-from .config import section
+from .config import retrieval_settings, section
 
 DECODERS = ("ar", "diffusion")
 
@@ -46,12 +46,14 @@ def sample_users(user_ids, n_users: int | None, seed: int) -> np.ndarray:
 
 def _retrieval_artifacts(cfg: dict, data_override) -> tuple[Path, str, Path, dict]:
     """(RecBole data root, dataset name, SASRec checkpoint, SASRec params) of the config's retrieval."""
-    from .cli import _retrieval_settings
-
-    rs = _retrieval_settings(cfg, data_override, None)
+    rs = retrieval_settings(cfg, data_override, None)
     out = Path(rs.out)
-    ckpt = out / "sasrec" / "sasrec.pth"
+    ckpt = out / "sasrec" / "sasrec.safetensors"  # loaded by SASRecReranked, without unpickling
     metrics = out / "metrics.json"
+    if not ckpt.exists() and ckpt.with_name("sasrec.pth").exists():
+        raise FileNotFoundError(f"{ckpt}: missing; {ckpt.with_name('sasrec.pth')} is an old pickled checkpoint, "
+                                f"which is not loaded: re-run `dgr2 retrieve --config "
+                                f"configs/{cfg.get('name', '<name>')}.yaml`")
     for p in (ckpt, metrics):
         if not p.exists():
             raise FileNotFoundError(f"{p}: missing retrieval artifacts; make them with "

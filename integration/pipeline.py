@@ -22,7 +22,7 @@ import logging
 import time
 from pathlib import Path
 
-from candidate_gen.atomic import atomic_write_text
+from candidate_gen.files import atomic_write_text
 
 from .config import section
 
@@ -57,7 +57,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     from reranker.stages.base import read_done
     from reranker.stages.pipeline import run_pipeline
 
-    from .cli import _retrieval_settings
+    from .config import retrieval_settings as _retrieval_settings
 
     out = Path(cfg["out"])
     seed = int(cfg.get("seed", 0))

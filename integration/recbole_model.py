@@ -8,7 +8,8 @@ and rewrites those N scores so RecBole's metrics see the re-ranked order. With n
 "SASRec alone" under exactly the same masking, so every row of a comparison is like for like.
 
 RecBole config keys (YAML or config_dict):
-    sasrec_checkpoint: path to a RecBole SASRec checkpoint to load (optional)
+    sasrec_checkpoint: SASRec weights to load (optional): a run's sasrec/sasrec.safetensors, or the
+        directory holding it (`dgr2 retrieve` writes it); never a pickle, so a .pth is an error
     mask_history: true
     rerank_model: model directory (AR or converted diffusion); null = SASRec alone
     rerank_data: re-ranking data directory (dgr2 data build)
@@ -49,8 +50,9 @@ class SASRecReranked(SequentialRecommender):
         self.sasrec = SASRec(config, dataset)
         ckpt = _get(config, "sasrec_checkpoint", None)
         if ckpt:
-            state = torch.load(ckpt, map_location="cpu", weights_only=False)  # RecBole's own file
-            self.sasrec.load_state_dict(state["state_dict"])
+            from candidate_gen.sasrec import load_state_into
+
+            load_state_into(self.sasrec, ckpt)  # safetensors: nothing is unpickled
         self.mask_history = bool(_get(config, "mask_history", True))
         self.top_n = int(_get(config, "rerank_top_n", 10))
         self.batch_size = int(_get(config, "rerank_batch_size", 8))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from candidate_gen.atomic import read_jsonl
+from candidate_gen.files import read_jsonl
 from reranker.metrics import compare, summarize
 from reranker.stages.base import read_done
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from candidate_gen.atomic import atomic_write_text, load_items
+from candidate_gen.atomic import load_items
+from candidate_gen.files import atomic_write_text
 from candidate_gen.split import train_sequences
 from reranker.dataset import load_retrieval, load_split
 from reranker.evidence import item_meta_lookup

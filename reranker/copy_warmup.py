@@ -29,7 +29,7 @@ import random
 import re
 from pathlib import Path
 
-from candidate_gen.atomic import atomic_write_text, read_jsonl
+from candidate_gen.files import atomic_write_text, read_jsonl
 
 from .prompt import render_assistant
 from .sid import SID_CODEBOOK, SID_RE, SemanticIds, format_sid

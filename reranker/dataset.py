@@ -37,21 +37,21 @@ import json
 import logging
 import os
 import re
-import shutil
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from candidate_gen.atomic import atomic_write_text, load_items
-from candidate_gen.atomic import read_jsonl as _read_jsonl
+from candidate_gen.atomic import load_items
+from candidate_gen.files import atomic_write_text, write_dir_atomically, write_jsonl
+from candidate_gen.files import read_jsonl as _read_jsonl
 from candidate_gen.split import train_sequences
 from reranker.evidence import candidates_evidence, item_meta_lookup
 from reranker.features import FeatureContext
 from reranker.prompt import PROFILES, render_assistant, render_prompt_messages, render_prompt_within_budget, response_token_types
+from reranker.retrace import RULE_LABEL_STYLES, retrace_row
 from reranker.sid import SID_LETTERS, build_semantic_ids, content_embeddings
 from reranker.teachers.base import Oracle, TeachExample, TeacherOutput, teacher_stats
 from reranker.teachers.rule import RuleTeacher, ScorerConfig, fit_cross_fitted
@@ -110,24 +110,6 @@ def _stats(values) -> dict:
         return {"n": 0, "mean": 0.0, "p95": 0.0, "max": 0}
     return {"n": int(len(v)), "mean": round(float(v.mean()), 2), "p95": round(float(np.percentile(v, 95)), 2),
             "max": int(v.max())}
-
-
-def write_jsonl(path: Path, rows: Sequence[dict]) -> None:
-    """One compact JSON object per line, written atomically (the format of every split file)."""
-    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n" for r in rows))
-
-
-def _save_dir_atomically(save, path: Path) -> None:
-    """Run ``save(tmp_dir)`` then swap the directory into place (readers never see half of it)."""
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    save(tmp)
-    if path.exists():
-        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, path)
 
 
 def _sids_for(seqs, retrieval_dir: Path, items_frame, sid_config: Mapping, seed: int):
@@ -289,8 +271,6 @@ class _Renderer:
         self.tok, self.sids, self.meta, self.writer = tok, sids, meta, writer
         self.relabel = relabel  # a RULE_LABEL_STYLES style: each taught row is rewritten as retrace does
         if relabel:
-            from reranker.retrace import retrace_row  # retrace imports this module
-
             self._retrace_row = retrace_row
         self.profile, self.max_prompt_tokens, self.seed = profile, max_prompt_tokens, seed
         self.max_hist = PROFILES[profile].max_history
@@ -358,8 +338,6 @@ def build_rerank_data(retrieval_dir, items_path, out_dir, teacher: str = "rule",
                       tokenizer_from: str | Path | None = None) -> dict:
     """Build the re-ranking data set (see the module docstring); returns build_report.json's content
     plus ``wall_seconds`` (kept out of the file so builds stay byte-identical)."""
-    from reranker.retrace import RULE_LABEL_STYLES  # retrace imports this module
-
     t0 = time.time()
     retrieval_dir, out = Path(retrieval_dir), Path(out_dir)
     if profile not in PROFILES:
@@ -411,7 +389,7 @@ def build_rerank_data(retrieval_dir, items_path, out_dir, teacher: str = "rule",
         tok = _reused_tokenizer(tokenizer_from, sids)
     else:
         tok = _train_tokenizer(train_ex, train_out, sids, meta, profile, tokenizer_vocab)
-    _save_dir_atomically(lambda p: tok.save_pretrained(str(p)), out / "tokenizer")
+    write_dir_atomically(out / "tokenizer", lambda p: tok.save_pretrained(str(p)))
 
     # 6. Final rows: prompts within the budget, assistant texts, targets.
     render = _Renderer(tok, sids, meta, writer, profile, max_prompt_tokens, seed, trace_style if relabel else None)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from candidate_gen.atomic import read_jsonl
+from candidate_gen.files import read_jsonl
 
 from .answer import FAILURE_KINDS
 from .engine import DecodeOptions, RerankEngine, RerankRequest
@@ -93,7 +93,7 @@ def write_outputs(path, outputs: list[dict]) -> Path:
     """One JSON line per example (user, target_index, valid, failure, permutation, the generated
     text), in split order, written to a temp file and renamed: what `dgr2 eval --outputs` keeps for
     looking at the failures one by one."""
-    from candidate_gen.atomic import atomic_write_text
+    from candidate_gen.files import atomic_write_text
 
     return atomic_write_text(path, "".join(json.dumps(o, ensure_ascii=False) + "\n" for o in outputs))
 

@@ -5,13 +5,12 @@ full attention that accepts position_ids, a 4D additive mask and a DynamicCache"
 Qwen3 directory works unchanged in place of the small default.
 """
 import copy
-import os
-import shutil
-import uuid
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from candidate_gen.files import write_dir_atomically
 
 # "cpu": ~4-6M parameters (with a few-thousand-token SID vocabulary), the default for CPU profiles.
 # "tiny": for tests only.
@@ -52,20 +51,12 @@ def load_model(path, dtype=None, attn_implementation=None, device=None):
 def save_model(model, tokenizer, path):
     """save_pretrained (safetensors) into a sibling temp dir, then rename into place, so a crash
     never leaves a half-written model directory behind."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    model.save_pretrained(str(tmp), safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(tmp))
-    old = None
-    if path.exists():
-        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(path, old)
-    os.rename(tmp, path)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return path
+    def save(tmp: Path) -> None:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+
+    return write_dir_atomically(path, save)
 
 
 def resize_for_tokenizer(model, tokenizer):

@@ -30,9 +30,8 @@ import os
 import shutil
 from pathlib import Path
 
-from candidate_gen.atomic import atomic_write_text
+from candidate_gen.files import atomic_write_text, iter_jsonl, write_jsonl
 
-from .dataset import write_jsonl
 from .prompt import parse_candidate_evidence, render_assistant
 from .teachers.traces import SCAN_HEADS, WHY_FIRST, brief_trace, rest_text, scan_trace
 
@@ -117,14 +116,11 @@ def retrace_data(src, dst, style: str = "brief", progress: bool = True) -> dict:
         if not path.is_file():
             continue
         rows = []
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(tqdm(f, desc=f"retrace {split}", unit="ex", disable=not progress), 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(retrace_row(json.loads(line), style))
-                except (ValueError, KeyError, IndexError, TypeError) as e:
-                    raise ValueError(f"{path}:{n}: {e}") from None
+        for n, row in tqdm(iter_jsonl(path), desc=f"retrace {split}", unit="ex", disable=not progress):
+            try:
+                rows.append(retrace_row(row, style))
+            except (ValueError, KeyError, IndexError, TypeError) as e:
+                raise ValueError(f"{path}:{n}: {e}") from None
         write_jsonl(dst / f"{split}.jsonl", rows)
         counts[split] = len(rows)
     for name in COPIED:

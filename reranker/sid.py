@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+
+from candidate_gen.files import atomic_write_text
 
 SID_BEGIN = "<|sid_begin|>"
 SID_END = "<|sid_end|>"
@@ -68,21 +69,6 @@ def effective_codebook_size(n_items: int, requested: int = SID_CODEBOOK) -> int:
     if not 2 <= requested <= SID_CODEBOOK:
         raise ValueError(f"codebook_size must be in [2, {SID_CODEBOOK}], got {requested}")
     return max(1, min(requested, max(2, n_items // 4), n_items))
-
-
-def _atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 class SemanticIds:
@@ -161,7 +147,7 @@ class SemanticIds:
 
     def save(self, path: str | os.PathLike) -> None:
         payload = {"format": "diffusion-gr2/semantic-ids/v1", "meta": self.meta, "codes": self._codes}
-        _atomic_write_text(path, json.dumps(payload, sort_keys=True))
+        atomic_write_text(path, json.dumps(payload, sort_keys=True))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "SemanticIds":

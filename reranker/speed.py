@@ -551,7 +551,7 @@ def run_speed_benchmark(ar_dir, diff_dir, data_dir, out_json=None, n_prompts=8, 
     if rep.get("accuracy"):
         rep["accuracy"]["split"] = split
     if out_json is not None:
-        from integration.results import write_result
+        from candidate_gen.files import write_result
 
         command = command or (f"dgr2 speed --ar {_display_path(ar_dir)} --diffusion {_display_path(diff_dir)} "
                               f"--data {_display_path(data_dir)} --out {_display_path(out_json)}")
@@ -585,7 +585,7 @@ def run_forward_cost(model, context=403, batch_sizes=(1, 2, 4, 8, 32), block_siz
                      "the same batch; per-step Python costs are left out, so real decoders stay below it. "
                      "Timings are medians of interleaved iterations on a shared machine: see load_average.")}
     if out_json is not None:
-        from integration.results import write_result
+        from candidate_gen.files import write_result
 
         write_result(out_json, rep, command or f"dgr2 forward-cost --out {_display_path(out_json)}")
         return json.loads(Path(out_json).read_text())

@@ -1,4 +1,10 @@
-"""The `dgr2` entry point: sub-commands with their own parsers get every argument, -h included."""
+"""The `dgr2` entry point: sub-commands with their own parsers get every argument, -h included;
+`dgr2 --help` imports no model or serving library."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,3 +31,28 @@ def test_config_json_errors_name_the_flag(tmp_path, text, message):
     cfg.write_text("name: c\n")
     with pytest.raises(SystemExit, match=f"--config-json: {message}"):
         main(["data", "build", "--config", str(cfg), "--config-json", text])
+
+
+# Libraries that take seconds to import; the parser (every command's --help) needs none of them,
+# each command imports what it uses when it runs.
+HEAVY = ("torch", "transformers", "recbole", "faiss", "grpc", "matplotlib")
+_PROBE = """
+import contextlib, io, json, sys
+from integration.cli import build_parser, main
+build_parser()
+for argv in (["--help"], ["serve", "--help"], ["eval", "--help"], ["train", "--help"]):
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main(argv)
+        except SystemExit:
+            pass
+print(json.dumps(sorted({m.split(".")[0] for m in sys.modules} & set(HEAVY))))
+"""
+
+
+def test_help_imports_no_heavy_library():
+    # A fresh interpreter: this test process has imported torch already (conftest).
+    probe = f"HEAVY = {HEAVY!r}\n" + _PROBE
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1], check=True).stdout
+    assert json.loads(out.splitlines()[-1]) == []

@@ -8,7 +8,8 @@ import yaml
 from candidate_gen.metrics import ndcg_at, recall_at, target_ranks
 from candidate_gen.retrieve import run_retrieval
 from integration.bench import recbole_section
-from integration.cli import _retrieval_settings, main
+from integration.cli import main
+from integration.config import retrieval_settings
 from integration.e2e import parse_reranker, run_e2e, sample_users
 from reranker.convert import convert_to_diffusion
 from reranker.dataset import build_rerank_data
@@ -25,7 +26,7 @@ def world(tmp_path_factory, tiny_catalog):
            "retrieval": {"crossfit_folds": 0, "sasrec": TINY_SASREC},
            # 16 new tokens cannot hold a ranking of 10 items: every answer falls back (asserted below).
            "eval": {"max_new_tokens": 16}}
-    rs = _retrieval_settings(cfg, None, None)
+    rs = retrieval_settings(cfg, None, None)
     run_retrieval(rs)
     build_rerank_data(rs.out, tiny_catalog / "tiny.item", out / "rerank_data", n_selection_users=60,
                       tokenizer_vocab=500, max_train_examples=40)
@@ -133,7 +134,7 @@ def test_bad_input_is_named(world, tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="'gone'.*not found"):
         run_e2e(cfg, [("gone", str(tmp_path / "missing"), "ar")], 5, 0, 8, 0.9, progress=False)
     empty = {"name": "empty", "out": str(tmp_path / "empty")}
-    with pytest.raises(FileNotFoundError, match=r"sasrec\.pth.*dgr2 retrieve --config configs/empty\.yaml"):
+    with pytest.raises(FileNotFoundError, match=r"sasrec\.safetensors.*dgr2 retrieve --config configs/empty\.yaml"):
         run_e2e(empty, [], None, 0, 8, 0.9, progress=False)
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(cfg))

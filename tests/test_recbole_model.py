@@ -24,7 +24,7 @@ def run_snippet(out, rerank_model=None, rerank_data=None, engine=None, namespace
         code = code.replace("model = SASRecReranked(config, train_data.dataset)",
                             "model = SASRecReranked(config, train_data.dataset, engine=ENGINE)")
     env = {"DATA_ROOT": str(out / "data"), "RUN_DIR": str(out / "rb_eval"), "SASREC_PARAMS": TINY_SASREC,
-           "SASREC_CKPT": str(out / "sasrec" / "sasrec.pth"), "DATASET": "tiny",
+           "SASREC_CKPT": str(out / "sasrec" / "sasrec.safetensors"), "DATASET": "tiny",
            "RERANK_MODEL": rerank_model, "RERANK_DATA": rerank_data, "ENGINE": engine}
     exec(compile(code, "README-snippet", "exec"), env)
     return env if namespace else env["result"]

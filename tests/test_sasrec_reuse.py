@@ -4,14 +4,14 @@ import json
 
 import torch
 
-from candidate_gen.sasrec import _reuse_checkpoint
+from candidate_gen.sasrec import _reuse_checkpoint, save_weights
 
 
 def test_reuse_only_matching_checkpoints(tmp_path):
-    done, info = tmp_path / "sasrec.pth", tmp_path / "train_info.json"
+    done, info = tmp_path / "sasrec.safetensors", tmp_path / "train_info.json"
     settings = {"dataset": "d", "params": {"hidden_size": 4}, "seed": 0}
     assert _reuse_checkpoint(done, info, settings, torch.nn.Linear(4, 4), "cpu") is None  # nothing there
-    torch.save({"state_dict": torch.nn.Linear(4, 4).state_dict()}, done)
+    save_weights(done, torch.nn.Linear(4, 4).state_dict())
     info.write_text(json.dumps({"train_seconds": 7.0, "settings": settings}))
     assert _reuse_checkpoint(done, info, settings, torch.nn.Linear(4, 4), "cpu") == 7.0
     other = {**settings, "params": {"hidden_size": 8}}

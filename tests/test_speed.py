@@ -124,9 +124,9 @@ def test_decode_phase_leaves_out_the_prefill_and_its_tokens(parts):
 
 
 def test_run_speed_benchmark_writes_result_with_accuracy(parts, tmp_path, monkeypatch):
-    import integration.results as results
+    import candidate_gen.files as files
 
-    monkeypatch.setattr(results, "current_commit", lambda: "abc1234")
+    monkeypatch.setattr(files, "current_commit", lambda: "abc1234")
     d = parts["root"]
     out = tmp_path / "results" / "diffusion-speed-tiny.json"
     doc = run_speed_benchmark(d / "ar", d / "diff", d / "data", out, n_prompts=2, batch_sizes=(1, 2),

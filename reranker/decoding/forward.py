@@ -10,6 +10,8 @@ import time
 import torch
 from transformers import DynamicCache
 
+from .rules import check_commit_rule
+
 
 def clock(device) -> float:
     """Wall seconds, after the device's queued work is done (CUDA runs asynchronously), so the
@@ -79,15 +81,6 @@ def pick_tokens(logits, temperature=0.0, top_p=1.0, generator=None):
         tokens = torch.multinomial(flat, 1, generator=generator).view(p.shape[:-1])
     lp = logp.gather(-1, tokens[..., None]).squeeze(-1)
     return tokens, lp, lp.exp()
-
-
-COMMIT_RULES = ("confidence", "prefix")
-
-
-def check_commit_rule(rule, name="commit rule") -> None:
-    """The one check of a commit-rule setting; `name` is what the error calls it."""
-    if rule not in COMMIT_RULES:
-        raise ValueError(f"{name} must be one of {COMMIT_RULES}, got {rule!r}")
 
 
 def commit_confident(confidence, eligible, tau, force_all=False, rule="confidence", hold=None):

@@ -33,7 +33,7 @@ import numpy as np
 
 from proto.diffusion_gr2.v1 import reranker_pb2_grpc as pb_grpc
 
-from candidate_gen.atomic import read_jsonl
+from candidate_gen.files import read_jsonl
 
 from .client import channel, decode_options, rerank_request
 
@@ -174,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"p50={lat['p50'] or 0:8.1f} p95={lat['p95'] or 0:8.1f} p99={lat['p99'] or 0:8.1f} ms "
               f"ok={r['ok']} errors={r['errors']}")
     if args.out:
-        from integration.results import write_result
+        from candidate_gen.files import write_result
 
         write_result(args.out, report, "dgr2 loadtest " + " ".join(argv if argv is not None else sys.argv[1:]))
         print(f"results written to {args.out}")

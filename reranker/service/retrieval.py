@@ -1,10 +1,12 @@
 """Recommend's first stage: history -> SASRec user vector -> FAISS top-N (history excluded).
 
-Loads a retrieval artifacts directory (`dgr2 retrieve`): sasrec/sasrec.pth (a RecBole checkpoint,
-which pickles RecBole's Config), index/ (ItemIndex) and data/<name>/<name>.inter. RecBole builds a
-model only from a dataset (item count and id map), so the dataset is rebuilt from the artifacts'
-own data/ copy; training is never run. Paths in the stored config are replaced by the artifacts
-directory's, so the directory can be moved.
+Loads a retrieval artifacts directory (`dgr2 retrieve`): sasrec/sasrec.safetensors (SASRec's state
+dict) with sasrec/train_info.json (the settings RecBole's Config is rebuilt from), index/
+(ItemIndex) and data/<name>/<name>.inter. Nothing is unpickled (a served directory's files could be
+crafted): a directory with only an old pickled sasrec.pth is an error saying to re-run
+`dgr2 retrieve`. RecBole builds a model only from a dataset (item count and id map), so the dataset
+is rebuilt from the artifacts' own data/ copy; training is never run. The Config's paths are the
+artifacts directory's, so the directory can be moved.
 """
 from __future__ import annotations
 
@@ -12,11 +14,9 @@ import logging
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from candidate_gen.index import ItemIndex
-from candidate_gen.recbole_compat import recbole_compat
-from candidate_gen.sasrec import SasrecEncoder
+from candidate_gen.sasrec import SasrecEncoder, load_trained
 
 log = logging.getLogger(__name__)
 
@@ -24,29 +24,7 @@ log = logging.getLogger(__name__)
 def load_sasrec(artifacts_dir: str | Path, device: str = "cpu"):
     """(RecBole SASRec model in eval mode, RecBole dataset) from an artifacts directory."""
     d = Path(artifacts_dir)
-    ckpt = d / "sasrec" / "sasrec.pth"
-    if not ckpt.exists():
-        raise FileNotFoundError(f"{ckpt}: missing; run `dgr2 retrieve` (a finished run renames its checkpoint "
-                                "to sasrec.pth)")
-    with recbole_compat():
-        from recbole.data import create_dataset
-        from recbole.model.sequential_recommender import SASRec
-
-        state = torch.load(ckpt, map_location="cpu")  # recbole_compat allows RecBole's pickled config
-        config = state["config"]
-        data_path = d / "data" / config["dataset"]
-        if not data_path.is_dir():
-            raise FileNotFoundError(f"{data_path}: missing; the retrieval artifacts lack the RecBole dataset copy")
-        config["data_path"] = str(data_path)
-        config["checkpoint_dir"] = str(d / "sasrec")
-        config["dataset_save_path"] = None
-        config["save_dataset"] = False
-        config["device"] = torch.device(device)
-        config["use_gpu"] = device != "cpu"
-        dataset = create_dataset(config)
-        model = SASRec(config, dataset)
-        model.load_state_dict(state["state_dict"])
-    return model.to(device).eval(), dataset
+    return load_trained(d / "sasrec", d / "data", device)
 
 
 class Retriever:

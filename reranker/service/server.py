@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -35,28 +35,15 @@ from proto.diffusion_gr2.v1 import reranker_pb2_grpc as pb_grpc
 
 from ..engine import DecodeOptions, RerankRequest, RerankResult
 from .batcher import BatcherClosed, MicroBatcher, QueueFull
-from .validation import (Prepared, ServiceLimits, ValidationError, build_response, truncate_history,
-                         validate_options, validate_rerank)
+from .options import ServerConfig, ServiceLimits, add_serve_arguments
+from .validation import (Prepared, ValidationError, build_response, truncate_history, validate_options,
+                         validate_rerank)
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Reranker"].full_name  # "diffusion_gr2.v1.Reranker"
 # gRPC itself refuses messages this many times larger than the handler's limit (RESOURCE_EXHAUSTED);
 # between the two, the handler answers INVALID_ARGUMENT naming the field "request".
 TRANSPORT_HEADROOM = 4
-
-
-@dataclass
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 50051  # 0: any free port (see RunningServer.port)
-    max_batch: int = 8
-    max_wait_ms: float = 5.0
-    max_queue: int = 64
-    tls_cert: str | None = None  # PEM files; both or neither
-    tls_key: str | None = None
-    drain_grace_s: float = 30.0
-    warmup: bool = True
-    limits: ServiceLimits = field(default_factory=ServiceLimits)
 
 
 class _Abandoned(Exception):
@@ -423,30 +410,6 @@ def serve(model_dir, data_dir, retrieval_dir=None, host: str = "127.0.0.1", port
                           drain_grace_s=drain_grace_s, limits=limits or ServiceLimits())
     asyncio.run(run_until_signalled(engine, config, retriever))
     return 0
-
-
-def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """The serve options (shared with `dgr2 serve`)."""
-    d, lim = ServerConfig(), ServiceLimits()
-    p.add_argument("--model", required=True, help="model directory (HF causal LM + tokenizer)")
-    p.add_argument("--data", required=True, help="re-ranking data directory (dgr2 data build)")
-    p.add_argument("--retrieval", help="retrieval artifacts directory; enables Recommend")
-    p.add_argument("--host", default=d.host, help="bind address (default: loopback only)")
-    p.add_argument("--port", type=int, default=d.port, help="0: any free port")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--max-batch", type=int, default=d.max_batch, help="requests per batched decode")
-    p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms, help="how long a batch waits to fill")
-    p.add_argument("--max-queue", type=int, default=d.max_queue, help="queued requests before RESOURCE_EXHAUSTED")
-    p.add_argument("--tls-cert", help="PEM certificate (with --tls-key): serve TLS")
-    p.add_argument("--tls-key", help="PEM private key")
-    p.add_argument("--drain-grace-s", type=float, default=d.drain_grace_s)
-    p.add_argument("--max-candidates", type=int, default=lim.max_candidates)
-    p.add_argument("--max-history", type=int, default=lim.max_history, help="longer histories keep the newest")
-    p.add_argument("--max-message-bytes", type=int, default=lim.max_message_bytes)
-    p.add_argument("--max-new-tokens", type=int, default=lim.max_new_tokens)
-    p.add_argument("--decoder", choices=("ar", "diffusion"), default=lim.default_decoder, help="default decoder")
-    p.add_argument("--tau", type=float, default=lim.default_tau, help="default diffusion commit threshold")
-    p.add_argument("--recommend-candidates", type=int, default=lim.recommend_candidates)
 
 
 def serve_from_args(args: argparse.Namespace) -> int:

@@ -13,32 +13,10 @@ from dataclasses import dataclass
 from proto.diffusion_gr2.v1 import reranker_pb2 as pb
 
 from ..engine import DecodeOptions, RerankRequest, RerankResult
+from .options import ServiceLimits
 
 DECODER_NAMES = {pb.DECODER_AR: "ar", pb.DECODER_DIFFUSION: "diffusion"}
 MAX_BLOCK_SIZE = 256  # the engine's own bound (DecodeOptions.validate)
-
-
-@dataclass
-class ServiceLimits:
-    """What the server accepts. Every field is a server option (see server.py --help)."""
-    max_candidates: int = 100
-    max_history: int = 50  # H: longer histories keep the most recent H items (reported, not rejected)
-    max_message_bytes: int = 1 << 20  # checked in the handler (INVALID_ARGUMENT); gRPC's own cap is 4x
-    max_item_id_chars: int = 256
-    max_new_tokens: int = 320  # default generation budget and the most a request may ask for
-    default_decoder: str = "ar"
-    default_tau: float = 0.9
-    recommend_candidates: int = 10  # Recommend's default number of retrieved candidates
-
-    def __post_init__(self):
-        for name in ("max_candidates", "max_history", "max_message_bytes", "max_item_id_chars",
-                     "max_new_tokens", "recommend_candidates"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"ServiceLimits.{name} must be >= 1, got {getattr(self, name)}")
-        if self.default_decoder not in DECODER_NAMES.values():
-            raise ValueError(f"ServiceLimits.default_decoder must be 'ar' or 'diffusion', got {self.default_decoder!r}")
-        if not 0.0 < self.default_tau <= 1.0:
-            raise ValueError(f"ServiceLimits.default_tau must be in (0, 1], got {self.default_tau}")
 
 
 class ValidationError(ValueError):

@@ -27,10 +27,10 @@ import sys
 import time
 from pathlib import Path
 
+from candidate_gen.files import atomic_write_json, replace_dir
 from reranker.stages.base import DONE_FILE, StageContext, config_hash, merge_config, read_done
 from reranker.stages.registry import get_stage, get_stage_class
 from reranker.training import distributed as D
-from reranker.training.checkpoint import atomic_write_json, replace_dir
 
 PARTIAL_SUFFIX = ".partial"
 _SMALL = 4 << 20  # files up to this size are hashed whole; bigger ones by size + head + tail

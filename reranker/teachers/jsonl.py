@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from candidate_gen.files import iter_jsonl
 from reranker.answer import FAILURE_KINDS, parse_ranking
 from reranker.sid import SID_BEGIN
 from reranker.teachers.base import Teacher, TeachExample, TeacherOutput
@@ -57,34 +58,25 @@ def load_external_traces(path) -> dict[tuple[str, int], list[ExternalTrace]]:
     if not path.is_file():
         raise TraceFileError(f"{path}: trace file not found")
     out: dict[tuple[str, int], list[ExternalTrace]] = {}
-    with open(path, encoding="utf-8") as handle:
-        for lineno, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(raw)
-            except json.JSONDecodeError as err:
-                raise TraceFileError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
-            if not isinstance(obj, dict):
-                raise TraceFileError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            for name in ("user", "position", "reasoning", "ranking"):
-                if name not in obj:
-                    raise TraceFileError(f"{where}: field {name!r} is missing")
-            user, pos, reasoning, ranking = obj["user"], obj["position"], obj["reasoning"], obj["ranking"]
-            if not isinstance(user, str) or not user:
-                raise TraceFileError(f"{where}: field 'user': expected a non-empty string, got {user!r:.60}")
-            if isinstance(pos, bool) or not isinstance(pos, int) or pos < 0:
-                raise TraceFileError(f"{where}: field 'position': expected an integer >= 0, got {pos!r:.60}")
-            if not isinstance(reasoning, str) or not reasoning.strip():
-                raise TraceFileError(f"{where}: field 'reasoning': expected a non-empty string, got {reasoning!r:.60}")
-            if THINK_OPEN in reasoning or THINK_CLOSE in reasoning:
-                raise TraceFileError(f"{where}: field 'reasoning': must not contain {THINK_OPEN} or {THINK_CLOSE} "
-                                     "(the builder adds them)")
-            if not isinstance(ranking, list) or not all(isinstance(r, str) for r in ranking):
-                raise TraceFileError(f"{where}: field 'ranking': expected a list of strings, got {ranking!r:.80}")
-            out.setdefault((user, pos), []).append(
-                ExternalTrace(user, pos, reasoning.strip(), tuple(ranking), lineno))
+    for lineno, obj in iter_jsonl(path, error=TraceFileError):
+        where = f"{path}:{lineno}"
+        for name in ("user", "position", "reasoning", "ranking"):
+            if name not in obj:
+                raise TraceFileError(f"{where}: field {name!r} is missing")
+        user, pos, reasoning, ranking = obj["user"], obj["position"], obj["reasoning"], obj["ranking"]
+        if not isinstance(user, str) or not user:
+            raise TraceFileError(f"{where}: field 'user': expected a non-empty string, got {user!r:.60}")
+        if isinstance(pos, bool) or not isinstance(pos, int) or pos < 0:
+            raise TraceFileError(f"{where}: field 'position': expected an integer >= 0, got {pos!r:.60}")
+        if not isinstance(reasoning, str) or not reasoning.strip():
+            raise TraceFileError(f"{where}: field 'reasoning': expected a non-empty string, got {reasoning!r:.60}")
+        if THINK_OPEN in reasoning or THINK_CLOSE in reasoning:
+            raise TraceFileError(f"{where}: field 'reasoning': must not contain {THINK_OPEN} or {THINK_CLOSE} "
+                                 "(the builder adds them)")
+        if not isinstance(ranking, list) or not all(isinstance(r, str) for r in ranking):
+            raise TraceFileError(f"{where}: field 'ranking': expected a list of strings, got {ranking!r:.80}")
+        out.setdefault((user, pos), []).append(
+            ExternalTrace(user, pos, reasoning.strip(), tuple(ranking), lineno))
     return out
 
 

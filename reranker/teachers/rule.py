@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from candidate_gen.atomic import atomic_write_text
+from candidate_gen.files import atomic_write_text
 from reranker.features import FEATURE_NAMES
 from reranker.teachers.base import Teacher, TeachExample, TeacherOutput, example_seed, rejection_sample
 from reranker.teachers.traces import TraceWriter, trace_rng

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from candidate_gen.atomic import read_jsonl as _read_jsonl
+from candidate_gen.files import read_jsonl as _read_jsonl
 
 IM_END = "<|im_end|>"
 THINK_CLOSE = "</think>"

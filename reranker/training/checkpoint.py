@@ -1,4 +1,4 @@
-"""Resumable training state and atomic file writes.
+"""Resumable training state (checkpoints) and model-directory saving.
 
 A checkpoint is one file, `<run_dir>/checkpoints/step00000040-<tag>.pt`, holding the model
 and optimizer/scheduler state, every rank's RNG states and the loop position (step, epoch,
@@ -11,11 +11,9 @@ data (the numpy RNG state is converted to lists for that reason).
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
-import shutil
 import uuid
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -23,32 +21,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from candidate_gen.atomic import atomic_write_text
 from reranker.model import save_model
 
 FORMAT = 1
 _NAME = re.compile(r"^step(\d{8})-([0-9a-f]+)\.pt$")
 
 
-# ---------------------------------------------------------------------------- atomic writes
-
-def atomic_write_json(path, obj) -> Path:
-    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
-def replace_dir(src, dst) -> Path:
-    """Rename directory `src` to `dst`, replacing an existing `dst` (moved aside first, then
-    removed, so at every instant `dst` is either the old or the new complete directory)."""
-    src, dst = Path(src), Path(dst)
-    old = None
-    if dst.exists():
-        old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(dst, old)
-    os.rename(src, dst)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return dst
-
+# ---------------------------------------------------------------------------- model directories
 
 def save_hf_dir(model, tokenizer, path) -> Path:
     """save_pretrained (safetensors) + tokenizer, written aside and renamed into place."""

@@ -1,0 +1,142 @@
+"""Shared file I/O for every package: atomic writes (a text file, a JSON document, a directory),
+JSON-lines reading and writing, and the docs/results files.
+
+It sits at the bottom of the import graph and imports nothing of the project, so any module can
+use it. Atomic means a reader sees the old complete file (or directory) or the new one, never
+half of one: everything is written beside its destination, then renamed into place. Reading
+errors name the file and the line.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+RESULTS_DIR = Path("docs/results")
+
+
+# ---------------------------------------------------------------- atomic writes
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write text to a temp file beside `path`, then rename: readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a result or data file is for everyone to read
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def atomic_write_json(path: str | os.PathLike, obj) -> Path:
+    """`obj` as indented JSON with sorted keys, written atomically."""
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def replace_dir(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Rename directory `src` to `dst`, replacing an existing `dst` (moved aside first, then
+    removed, so at every instant `dst` is either the old or the new complete directory)."""
+    src, dst = Path(src), Path(dst)
+    old = None
+    if dst.exists():
+        old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(dst, old)
+    os.rename(src, dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return dst
+
+
+def write_dir_atomically(path: str | os.PathLike, save: Callable[[Path], object]) -> Path:
+    """Run ``save(tmp_dir)`` on a sibling temp directory, then swap it into place at `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    save(tmp)
+    return replace_dir(tmp, path)
+
+
+# ---------------------------------------------------------------- JSON lines
+def iter_jsonl(path: str | os.PathLike, error: type[Exception] = ValueError) -> Iterator[tuple[int, dict]]:
+    """(line number, JSON object) for each non-blank line of `path`. A line that is not valid JSON
+    or not an object raises `error` naming file and line."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw)
+            except json.JSONDecodeError as err:
+                raise error(f"{path}:{lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
+            if not isinstance(row, dict):
+                raise error(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            yield lineno, row
+
+
+def read_jsonl(path: str | os.PathLike, required: dict[str, type] | None = None,
+               limit: int | None = None, check=None) -> list[dict]:
+    """JSON-lines records; `required` fields are checked by type, then `check(row)` may return an
+    error message ("field 'x': ..."). Errors name file, line and field."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: file not found")
+    rows: list[dict] = []
+    for lineno, row in iter_jsonl(path):
+        for name, typ in (required or {}).items():
+            if name not in row:
+                raise ValueError(f"{path}:{lineno}: field {name!r} is missing")
+            value = row[name]
+            if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+                raise ValueError(f"{path}:{lineno}: field {name!r}: expected {typ.__name__}, got {value!r:.60}")
+        problem = check(row) if check is not None else None
+        if problem:
+            raise ValueError(f"{path}:{lineno}: {problem}")
+        rows.append(row)
+        if limit is not None and len(rows) >= limit:
+            break
+    return rows
+
+
+def write_jsonl(path: str | os.PathLike, rows: Iterable[dict], ensure_ascii: bool = False) -> Path:
+    """One compact JSON object per line, written atomically."""
+    return atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=ensure_ascii, separators=(",", ":")) + "\n"
+                                           for r in rows))
+
+
+# ---------------------------------------------------------------- docs/results files
+def current_commit() -> str:
+    """The short git commit of the working directory ("-dirty" with uncommitted changes), else "unknown"."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write_result(path: str | os.PathLike, payload: dict, command: str) -> Path:
+    """A docs/results file: `payload` with the command, commit and date that produced it (every
+    figure in the docs comes from one of these, so a table can say where its numbers came from)."""
+    path = Path(path)
+    doc = {"command": command, "commit": current_commit(),
+           "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), **payload}
+    atomic_write_text(path, json.dumps(doc, indent=2) + "\n")
+    return path
+
+
+def read_results(directory: str | os.PathLike = RESULTS_DIR) -> dict[str, dict]:
+    """{file stem: document} of every JSON file in a results directory ({} if there is none)."""
+    d = Path(directory)
+    return {p.stem: json.loads(p.read_text()) for p in sorted(d.glob("*.json"))} if d.is_dir() else {}

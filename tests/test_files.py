@@ -1,0 +1,86 @@
+"""candidate_gen.files, the shared I/O module: atomic writes, JSON lines, result files."""
+import json
+import os
+import stat
+
+import pytest
+
+import candidate_gen.files as files
+from candidate_gen.files import (atomic_write_json, atomic_write_text, iter_jsonl, read_jsonl, read_results,
+                                 replace_dir, write_dir_atomically, write_jsonl, write_result)
+
+
+def test_atomic_write_text_makes_parents_leaves_no_temp_and_is_world_readable(tmp_path):
+    path = atomic_write_text(tmp_path / "a" / "b.txt", "x")
+    atomic_write_text(path, "y")
+    assert path.read_text() == "y"
+    assert os.listdir(path.parent) == ["b.txt"]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+def test_atomic_write_json_is_sorted_and_indented(tmp_path):
+    assert atomic_write_json(tmp_path / "d.json", {"b": 1, "a": 2}).read_text() == '{\n  "a": 2,\n  "b": 1\n}\n'
+
+
+def test_replace_dir_and_write_dir_atomically_swap_whole_directories(tmp_path):
+    dst = tmp_path / "model"
+    write_dir_atomically(dst, lambda d: (d.mkdir(), (d / "old.txt").write_text("1")))
+    src = tmp_path / "new"
+    src.mkdir()
+    (src / "new.txt").write_text("2")
+    assert replace_dir(src, dst) == dst
+    assert os.listdir(dst) == ["new.txt"] and not src.exists()
+    write_dir_atomically(dst, lambda d: (d.mkdir(), (d / "third.txt").write_text("3")))
+    assert os.listdir(dst) == ["third.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["model"]  # no .tmp- or .old- directories left
+
+
+def test_jsonl_round_trip_skips_blank_lines_and_keeps_unicode(tmp_path):
+    rows = [{"a": 1, "t": "é"}, {"b": [1, 2]}]
+    path = write_jsonl(tmp_path / "r.jsonl", rows)
+    assert path.read_text(encoding="utf-8") == '{"a":1,"t":"é"}\n{"b":[1,2]}\n'
+    assert write_jsonl(tmp_path / "s.jsonl", rows, ensure_ascii=True).read_text().startswith('{"a":1,"t":"\\u00e9"}')
+    path.write_text(path.read_text(encoding="utf-8") + "\n  \n", encoding="utf-8")
+    assert read_jsonl(path) == rows
+    assert read_jsonl(path, limit=1) == rows[:1]
+    assert [n for n, _ in iter_jsonl(path)] == [1, 2]
+
+
+@pytest.mark.parametrize("lines, required, message", [
+    (['{"a": 1}', "{oops"], None, r"r.jsonl:2: invalid JSON \(Expecting property name"),
+    (["[1]"], None, r"r.jsonl:1: expected a JSON object, got list"),
+    (['{"a": 1}'], {"b": int}, r"r.jsonl:1: field 'b' is missing"),
+    (['{"a": true}'], {"a": int}, r"r.jsonl:1: field 'a': expected int, got True"),
+])
+def test_read_jsonl_errors_name_file_line_and_field(tmp_path, lines, required, message):
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=message):
+        read_jsonl(path, required)
+
+
+def test_read_jsonl_check_and_missing_file(tmp_path):
+    path = write_jsonl(tmp_path / "r.jsonl", [{"a": 1}, {"a": -1}])
+    with pytest.raises(ValueError, match=r"r.jsonl:2: field 'a': negative"):
+        read_jsonl(path, check=lambda r: "field 'a': negative" if r["a"] < 0 else None)
+    with pytest.raises(FileNotFoundError, match="nope.jsonl: file not found"):
+        read_jsonl(tmp_path / "nope.jsonl")
+
+
+def test_iter_jsonl_raises_the_callers_error_class(tmp_path):
+    class TraceError(ValueError):
+        pass
+
+    path = tmp_path / "t.jsonl"
+    path.write_text("{bad\n")
+    with pytest.raises(TraceError, match="t.jsonl:1: invalid JSON"):
+        list(iter_jsonl(path, error=TraceError))
+
+
+def test_write_result_records_command_commit_and_date(tmp_path, monkeypatch):
+    monkeypatch.setattr(files, "current_commit", lambda: "abc1234")
+    path = write_result(tmp_path / "res" / "x.json", {"value": 1}, "dgr2 x")
+    doc = json.loads(path.read_text())
+    assert doc["command"] == "dgr2 x" and doc["commit"] == "abc1234" and doc["date"] and doc["value"] == 1
+    assert read_results(tmp_path / "res") == {"x": doc}
+    assert read_results(tmp_path / "none") == {}
