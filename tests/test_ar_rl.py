@@ -106,7 +106,7 @@ def test_dynamic_sampling_keeps_the_first_informative_groups():
     the prompt: prompts 0-5 give a constant reward, 6-9 a varied one."""
     from reranker.answer import ParseResult
     from reranker.rollouts import RLPrompt, Sample, collect
-    from reranker.stages.ar_rl import RLState
+    from reranker.training.policy_optimization import RLState
 
     class Stub:
         name = "stub"

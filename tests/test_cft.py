@@ -14,8 +14,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from test_sft import make_sft_world
 from reranker.convert import convert_to_diffusion, load_diffusion_config
 from reranker.decoding import diffusion_decode
-from reranker.stages.cft import DEFAULTS, cft_batch, evaluate_loss, load_split, token_ids
+from reranker.stages.cft import DEFAULTS, cft_batch, evaluate_loss
 from reranker.stages.pipeline import run_stage
+from reranker.training.batches import token_ids
+from reranker.training.candidates import load_split
 from reranker.training.logging import read_metrics
 
 torch.set_num_threads(1)

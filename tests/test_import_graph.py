@@ -157,3 +157,33 @@ def test_no_import_cycles(graph):
 def test_no_upward_imports(graph):
     found = upward_imports(graph)
     assert not found, "upward imports (a lower layer importing a higher one):\n" + "\n".join(found)
+
+
+# The stage modules' shared infrastructure: the contract, discovery and the runner.
+STAGE_INFRA = {"reranker.stages", "reranker.stages.base", "reranker.stages.registry", "reranker.stages.pipeline"}
+
+
+def stage_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a stage module (a plugin of reranker/stages that is not STAGE_INFRA), from anywhere."""
+    plugins = {m for m in graph if m.startswith("reranker.stages.") and m not in STAGE_INFRA}
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets if b in plugins)
+
+
+def test_stage_imports_are_found(tmp_path):
+    (tmp_path / "reranker" / "stages").mkdir(parents=True)
+    for name in ("__init__", "base", "a", "b"):
+        (tmp_path / "reranker" / "stages" / f"{name}.py").write_text("")
+    (tmp_path / "reranker" / "__init__.py").write_text("")
+    (tmp_path / "reranker" / "stages" / "b.py").write_text("from reranker.stages.base import Stage\nfrom .a import f\n")
+    (tmp_path / "reranker" / "shared.py").write_text("def g():\n    from reranker.stages import a\n")
+    assert stage_imports(import_graph(tmp_path)) == ["reranker.shared -> reranker.stages.a", "reranker.stages.b -> reranker.stages.a"]
+
+
+def test_stages_do_not_import_each_other(graph):
+    """Each stage (sft, cft, opd, ar_rl, rl, any later one) imports the stage contract from
+    reranker.stages.base and its shared components from reranker.training, never another stage:
+    what two stages share lives once, in a module named for what it is. Nothing else imports a
+    stage either; the registry finds them by entry point."""
+    assert {f"reranker.stages.{s}" for s in ("sft", "cft", "opd", "ar_rl", "rl")} <= set(graph)
+    found = stage_imports(graph)
+    assert not found, "imports of a stage module (move what they share into reranker/training):\n" + "\n".join(found)

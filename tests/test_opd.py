@@ -14,9 +14,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from test_cft import make_cft_world, torchrun_matches_one_process
 from reranker.convert import convert_to_diffusion, load_diffusion_config
 from reranker.decoding import ar_decode
-from reranker.stages.cft import load_split, token_ids
 from reranker.stages.opd import make_rollouts, opd_loss_sum, teacher_scores
 from reranker.stages.pipeline import run_stage
+from reranker.training.batches import token_ids
+from reranker.training.candidates import load_split
 from reranker.training.checkpoint import FAULT_ENV
 from reranker.training.logging import read_metrics
 

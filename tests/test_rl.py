@@ -160,22 +160,22 @@ class Interrupted(Exception):
 
 
 def test_interrupted_rl_resumes_to_the_same_steps(world, full_run, tmp_path, monkeypatch):
-    import reranker.stages.ar_rl as ar_rl
+    import reranker.training.policy_optimization as loop
 
     ref, ref_root = full_run
-    real = ar_rl.fault_point
+    real = loop.fault_point
 
     def crash_after_3(iteration):
         if iteration == 3:  # checkpoints exist for iteration 2; iteration 3 ran and is lost
             raise Interrupted
         real(iteration)
 
-    monkeypatch.setattr(ar_rl, "fault_point", crash_after_3)
+    monkeypatch.setattr(loop, "fault_point", crash_after_3)
     with pytest.raises(Interrupted):
         run_stage("rl", world[0], tmp_path / "out", world[1], CFG, run_dir=tmp_path / "run", progress=False,
                   device="cpu")
     assert not (tmp_path / "out").exists() and (tmp_path / "out.partial").is_dir()
-    monkeypatch.setattr(ar_rl, "fault_point", real)
+    monkeypatch.setattr(loop, "fault_point", real)
     res = run_stage("rl", world[0], tmp_path / "out", world[1], CFG, run_dir=tmp_path / "run", progress=False,
                     device="cpu")
     assert res["status"] == "done" and res["metrics"]["resumed_from_iteration"] == 2

@@ -54,10 +54,11 @@ class StageResult:
 
 class Stage(abc.ABC):
     name: str = ""
+    defaults: dict = {}  # what default_config returns (a copy), unless a subclass overrides it
 
     def default_config(self) -> dict:
         """Every config key the stage understands, with its default (unknown keys are errors)."""
-        return {}
+        return copy.deepcopy(self.defaults)
 
     @abc.abstractmethod
     def run(self, ctx: StageContext) -> StageResult:

@@ -18,36 +18,29 @@ Input: a converted model dir (config.diffusion); a plain AR dir is converted fir
 Same loop contract as sft: global batch independent of world size, resumable checkpoints,
 validation each epoch (diffusion loss under a FIXED noise draw, so epochs are comparable, plus an
 optional greedy τ-decode of a few validation prompts: valid-JSON rate and token accuracy), best
-model written as the output. Gradients are summed over ranks explicitly (`sum_gradients`) instead
-of through a DDP wrapper: diffusion_loss / replay call the model's own attributes (dtype, config),
-which a DDP wrapper hides, and an explicit all-reduce gives exactly the 1-process gradient.
+model written as the output. Gradients are summed over ranks explicitly
+(training.distributed.sum_gradients) instead of through a DDP wrapper: diffusion_loss / replay call
+the model's own attributes (dtype, config), which a DDP wrapper hides, and an explicit all-reduce
+gives exactly the 1-process gradient.
 """
 from __future__ import annotations
 
-import json
 import math
-import shutil
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from reranker.answer import parse_ranking
-from reranker.convert import convert_to_diffusion, load_diffusion_config
 from reranker.decoding import diffusion_decode
 from reranker.diffusion_loss import diffusion_loss, sample_noise
 from reranker.masks import pack_prompt_response
 from reranker.stages.base import Stage, StageContext, StageResult
-from reranker.stages.sft import accumulation
 from reranker.training import distributed as D
-from reranker.training.batches import encode_examples, end_of_turn, read_jsonl, read_train_records
-from reranker.training.checkpoint import (Checkpointer, TrainState, capture_rng, restore,
-                                          save_hf_dir)
-from reranker.training.logging import RunLogger
+from reranker.training.batches import token_ids
+from reranker.training.candidates import load_split, valid_json
+from reranker.training.loop import after_step, epoch_plan, scheduled_batches
 from reranker.training.precision import autocast, check_autocast
-from reranker.training.loop import after_step, finish, scheduled_batches
-from reranker.training.schedule import build_optimizer, build_scheduler, warmup_steps_from
+from reranker.training.recipe import Run, load_diffusion_model, optimizer_and_scheduler, optimizer_step, setup
+from reranker.training.schedule import warmup_steps_from
 
 DEFAULTS = {
     "train_file": "train.jsonl",
@@ -89,92 +82,6 @@ DEFAULTS = {
 }
 
 
-# ---------------------------------------------------------------------------- shared with opd
-
-def seeded(device, *parts) -> torch.Generator:
-    """A generator keyed by plain data, e.g. (seed, step, example) or (seed, step, micro-batch):
-    noise and rollouts are reproducible on resume and do not depend on which rank draws them."""
-    g = torch.Generator(device=device)
-    g.manual_seed(int.from_bytes(json.dumps(parts).encode(), "little") % (2**61 - 1))
-    return g
-
-
-def sum_gradients(model) -> None:
-    """All-reduce (sum) every gradient over ranks in one flat buffer; a no-op on one process.
-    Each rank's loss is already divided by the GLOBAL token count, so the sum is the global grad."""
-    if not D.is_distributed():
-        return
-    params = [p for p in model.parameters() if p.requires_grad]
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    for p, chunk in zip(params, flat.split([p.numel() for p in params])):
-        p.grad = chunk.view_as(p).clone()
-
-
-def load_diffusion_model(ctx: StageContext, input_dir, block_size, dtype, log):
-    """(model, tokenizer, block size, mask id) from a converted dir, converting a plain AR dir first
-    (rank 0 writes run_dir/converted_input; every rank loads it)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    src = Path(input_dir)
-    if load_diffusion_config(AutoConfig.from_pretrained(str(src), local_files_only=True)) is None:
-        conv = Path(ctx.run_dir) / "converted_input"
-        if ctx.is_main:
-            convert_to_diffusion(src, conv, block_size=int(block_size or 32))
-        D.barrier()
-        log(f"{ctx.name}: {src.name} is a plain AR model: converted to block diffusion "
-            f"(block size {block_size or 32}) in {conv.name}/")
-        src = conv
-    tok = AutoTokenizer.from_pretrained(str(src))
-    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=getattr(torch, dtype), local_files_only=True)
-    info = load_diffusion_config(model)
-    B = int(block_size or info["block_size"])
-    model.config.diffusion = {**info, "block_size": B}  # the output records the size it was trained for
-    return model.to(torch.device(ctx.device)), tok, B, int(info["mask_token_id"])
-
-
-def token_ids(tok) -> tuple[int, int]:
-    """(eos, pad): EOS is the response's end-of-turn token (what the decoder stops at)."""
-    eos = tok.convert_tokens_to_ids(end_of_turn(tok))
-    return eos, tok.pad_token_id if tok.pad_token_id is not None else eos
-
-
-def candidate_sids(records, data_dir) -> list:
-    """Per record: its candidate SID strings ("candidate_sids", or "candidates" mapped through the
-    data dir's sids.json), or None when neither is available (no valid-JSON check for it)."""
-    sids, path = None, Path(data_dir or ".") / "sids.json"
-    out = []
-    for r in records:
-        if r.get("candidate_sids"):
-            out.append(list(r["candidate_sids"]))
-        elif r.get("candidates") and path.is_file():
-            if sids is None:
-                from reranker.sid import SemanticIds
-
-                sids = SemanticIds.load(path)
-            out.append([sids.sid_string(str(c)) for c in r["candidates"]])
-        else:
-            out.append(None)
-    return out
-
-
-def valid_json(tok, tokens, cands) -> list:
-    """Per output: True/False = parses to a permutation of its candidates; None = unknown."""
-    return [None if c is None else parse_ranking(tok.decode(t, skip_special_tokens=False), c).ok
-            for t, c in zip(tokens, cands)]
-
-
-def load_split(tok, data_dir, name, limit, max_len):
-    """(encoded examples, candidate SIDs, encode stats) of one JSONL file, or of a list of them
-    pooled in order (as the sft stage's ``train_file``: a mix of real lists and copy data)."""
-    recs = read_train_records(Path(data_dir), name, limit)
-    enc, stats = encode_examples(tok, recs, max_len)
-    return enc, candidate_sids(recs, data_dir), stats
-
-
-# ---------------------------------------------------------------------------- CFT pieces
-
 def cft_batch(examples, pad_id, eos_id, B, lam_r, lam_o, fill_w, device):
     """(input_ids, prompt_len, resp_len, token_weights) with responses EOS-filled to whole blocks."""
     prompts = [e.input_ids[:e.n_prompt] for e in examples]
@@ -194,7 +101,7 @@ def example_noise(keys, rlen, complementary, eps, device, block_size=None, suffi
     ts, ms = [], []
     L = int(rlen.max())
     for key, n in zip(keys, rlen.tolist()):
-        t, m = sample_noise(torch.tensor([n]), n, eps, complementary, seeded("cpu", *key),
+        t, m = sample_noise(torch.tensor([n]), n, eps, complementary, D.seeded("cpu", *key),
                             block_size=block_size, suffix_prob=suffix_fraction)
         ts.append(t)
         ms.append(torch.nn.functional.pad(m, (0, L - n)))
@@ -277,13 +184,10 @@ def check_config(cfg: dict) -> None:
 
 
 def train_cft(ctx: StageContext) -> StageResult:
-    cfg = ctx.config
-    check_config(cfg)
-    device = torch.device(ctx.device)
+    cfg, device = setup(ctx, check_config)
     rank, world = ctx.rank, ctx.world_size
-    torch.manual_seed(ctx.seed * 1000 + rank)
     notes = []  # messages from before the logger exists
-    model, tok, B, mask_id = load_diffusion_model(ctx, ctx.input_dir, cfg["block_size"], cfg["dtype"], notes.append)
+    model, tok, B, mask_id = load_diffusion_model(ctx, cfg["block_size"], cfg["dtype"], notes.append)
     model.train()
     ids = token_ids(tok)
     max_len = min(int(cfg["max_len"]), int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30))
@@ -297,46 +201,14 @@ def train_cft(ctx: StageContext) -> StageResult:
     elif cfg["valid_file"]:
         notes.append(f"{ctx.name}: no {cfg['valid_file']} in the data dir: no validation, the last model is the output")
 
-    G = int(cfg["batch_size"])
-    accum, micro = accumulation(cfg, world)
-    steps_per_epoch = len(train) // G
-    if steps_per_epoch == 0:
-        raise ValueError(f"{len(train)} training examples, fewer than one global batch of {G}")
-    total = int(cfg["epochs"]) * steps_per_epoch
-    if cfg["max_steps"] is not None:
-        total = min(total, int(cfg["max_steps"]))
-
-    opt = build_optimizer(model, float(cfg["lr"]), float(cfg["weight_decay"]), cfg["betas"], float(cfg["eps"]))
-    sched = build_scheduler(opt, warmup_steps_from(cfg, total), max(total, 1), float(cfg["min_lr_ratio"]))
-    ckpt = Checkpointer(Path(ctx.run_dir) / "checkpoints", (ctx.config_hash or "0")[:16], int(cfg["keep_checkpoints"]))
-    state = TrainState()
-    loaded = ckpt.load_latest() if cfg["resume"] else None
-    if loaded is not None:
-        state = restore(loaded, model, opt, sched, rank, world)
-        del loaded
-    elif ctx.is_main and Path(ctx.output_dir).exists():
-        for p in Path(ctx.output_dir).iterdir():  # a stale attempt's partial output is not ours
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-    D.barrier()
-
-    log = RunLogger(ctx.run_dir, enabled=ctx.is_main, progress=ctx.progress and ctx.is_main, total=total,
-                    initial=state.step, desc=ctx.name, resume_step=state.step, resume_rows=state.metrics_rows)
-    for line in notes:
-        log.message(line)
-    if state.step > 0:
-        log.message(f"{ctx.name}: resuming at step {state.step}/{total} (epoch {state.epoch})")
-    else:
+    plan = epoch_plan(cfg, len(train), world)
+    opt, sched = optimizer_and_scheduler(model, cfg, warmup_steps_from(cfg, plan.total), plan.total)
+    run = Run(ctx, model, tok, opt, sched, plan.total, notes=notes)
+    state, log = run.state, run.log
+    if not run.resumed:
         log.log(0, "data", {**train_stats, "valid_examples": len(valid), "world_size": world, "block_size": B,
-                            "grad_accum": accum, "micro_batch_size": micro, "total_steps": total})
-    started, seconds_before, resumed_from = time.perf_counter(), state.train_seconds, state.step
-
-    def snapshot():
-        state.train_seconds = seconds_before + time.perf_counter() - started
-        state.metrics_rows = log.rows_written
-        rngs = D.all_gather_object(capture_rng())
-        if ctx.is_main:
-            ckpt.save(state, model, opt, sched, rngs)
-        D.barrier()
+                            "grad_accum": plan.grad_accum, "micro_batch_size": plan.micro_batch_size,
+                            "total_steps": plan.total})
 
     def validate():
         if not valid:
@@ -346,22 +218,12 @@ def train_cft(ctx: StageContext) -> StageResult:
             val.update(decode_eval(model, tok, valid, valid_cands, int(cfg["decode_examples"]),
                                    float(cfg["decode_tau"]), B, mask_id, ids, cfg["decode_max_new_tokens"], device,
                                    rank, world))
-        state.last_val = val
-        log.log(state.step, "valid", val)
-        if val["loss"] < state.best_val:
-            state.best_val, state.best_step = val["loss"], state.step
-            if ctx.is_main:
-                save_hf_dir(model, tok, ctx.output_dir)
-        D.barrier()
+        run.record_validation(val, val["loss"])
 
-    def at_epoch_end():  # end of an epoch (or of training): validate once, checkpoint
-        validate()
-        snapshot()
-
-    for batch in scheduled_batches(state, len(train), G, ctx.seed, steps_per_epoch, total, at_epoch_end):
+    for batch in scheduled_batches(state, plan, ctx.seed, validate, run.snapshot):
         n_tokens = sum(padded_len(train[i], B) for i in batch)  # global N (fill included), known to every rank
         loss_sum = 0.0
-        for a, idx in enumerate(D.rank_micro_batches(batch, rank, world, accum)):
+        for a, idx in enumerate(D.rank_micro_batches(batch, rank, world, plan.grad_accum)):
             x, plen, rlen, w = cft_batch([train[i] for i in idx], ids[1], ids[0], B, *lam, device)
             t, m = example_noise([(ctx.seed, state.step, i) for i in idx], rlen, cfg["complementary"], cfg["t_eps"],
                                  device, B, float(cfg["suffix_fraction"]))  # keyed by (step, example): any world size
@@ -370,47 +232,24 @@ def train_cft(ctx: StageContext) -> StageResult:
             part = loss * (float(rlen.sum()) / n_tokens)  # this micro-batch's share of the global mean
             part.backward()
             loss_sum += float(part.detach())
-        sum_gradients(model)
-        grad_norm = (float(torch.nn.utils.clip_grad_norm_(model.parameters(), float(cfg["max_grad_norm"])))
-                     if cfg["max_grad_norm"] else math.nan)
-        lr = sched.get_last_lr()[0]
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+        D.sum_gradients(model)
+        grad_norm, lr = optimizer_step(model, opt, sched, cfg["max_grad_norm"])
         state.step += 1
         state.batch_in_epoch += 1
-        (last_loss,) = D.all_reduce_sum([loss_sum], device)
-        state.last_train_loss = last_loss
+        state.last_train_loss = last_loss = D.all_reduce_sum([loss_sum], device)[0]
         log.log(state.step, "train", {"loss": last_loss, "lr": lr, "grad_norm": grad_norm, "tokens": n_tokens,
                                       "epoch": state.epoch})
         log.progress(1, loss=last_loss, epoch=state.epoch)
-        after_step(state, cfg, total, validate, snapshot)
+        after_step(state, cfg, plan.total, validate, run.snapshot)
 
-    finish(ctx, model, tok, bool(valid), log)
-    lv = state.last_val
-    metrics = {
-        "best_val_loss": state.best_val if valid else None,
-        "best_step": state.best_step if valid else state.step,
-        "last_val_loss": lv.get("loss"),
-        "last_val_valid_json_rate": lv.get("valid_json_rate"),
-        "last_val_token_acc": lv.get("token_acc"),
-        "last_val_tokens_per_step": lv.get("tokens_per_step"),
-        "last_train_loss": state.last_train_loss,
-        "block_size": B,
-        "train_examples": len(train),
-        "valid_examples": len(valid),
-        "train_seconds": seconds_before + time.perf_counter() - started,
-        "world_size": world,
-        "resumed_from_step": resumed_from,
-    }
-    return StageResult(metrics=metrics, optimizer_steps=state.step)
+    return StageResult(optimizer_steps=state.step, metrics=run.finish(bool(valid), {
+        **run.validation_summary(bool(valid), "loss", ("loss", "valid_json_rate", "token_acc", "tokens_per_step")),
+        "block_size": B, "train_examples": len(train), "valid_examples": len(valid),
+    }))
 
 
 class CFTStage(Stage):
-    name = "cft"
-
-    def default_config(self) -> dict:
-        return dict(DEFAULTS)
+    name, defaults = "cft", DEFAULTS
 
     def run(self, ctx: StageContext) -> StageResult:
         return train_cft(ctx)

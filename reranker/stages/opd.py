@@ -21,13 +21,10 @@ The student stays in eval mode (no dropout) so that the replayed distribution is
 sampled the rollout. The student's distribution in the loss is softmax(logits) (T = 1), whatever
 the sampling temperature. Rollout noise is keyed by (seed, step, micro-batch): resuming redoes the
 very same rollouts. Each rank samples its own prompts (its micro-batches of the global batch);
-gradients are summed over ranks as in cft.
+gradients are summed over ranks as in cft (training.distributed.sum_gradients).
 """
 from __future__ import annotations
 
-import math
-import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,16 +35,14 @@ from reranker.decoding.forward import check_commit_rule, forward
 from reranker.distill import DIVERGENCES, TeacherLogits, cache_teacher, divergence
 from reranker.masks import block_causal_mask, pack_prompt_response, position_ids_for
 from reranker.stages.base import Stage, StageContext, StageResult
-from reranker.stages.cft import (load_diffusion_model, load_split, seeded, sum_gradients, token_ids,
-                                 valid_json)
-from reranker.stages.sft import accumulation
 from reranker.training import distributed as D
-from reranker.training.checkpoint import (Checkpointer, TrainState, capture_rng, restore,
-                                          save_hf_dir)
-from reranker.training.logging import RunLogger
+from reranker.training.batches import token_ids
+from reranker.training.candidates import load_split, valid_json
+from reranker.training.loop import after_step, epoch_plan, scheduled_batches
 from reranker.training.precision import autocast, check_autocast
-from reranker.training.loop import after_step, finish, scheduled_batches
-from reranker.training.schedule import build_optimizer, build_scheduler, warmup_steps_from
+from reranker.training.recipe import (Run, load_diffusion_model, load_model_and_tokenizer, optimizer_and_scheduler,
+                                      optimizer_step, setup)
+from reranker.training.schedule import warmup_steps_from
 
 DEFAULTS = {
     "teacher": None,  # required: the frozen AR teacher's model dir
@@ -139,20 +134,16 @@ def opd_loss_sum(student, teacher_cache, prompts, trajectories, block_size, mask
 
 def load_teacher(path, student_tok, dtype, device):
     """The frozen teacher; its vocabulary must be the student's (up to added tokens such as the mask)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if not path:
         raise ValueError("opd: config key 'teacher' (the frozen AR teacher's model directory) is required")
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"opd: teacher model directory not found: {path}")
-    tok = AutoTokenizer.from_pretrained(str(path))
+    teacher, tok = load_model_and_tokenizer(path, dtype, device)
     sv = student_tok.get_vocab()
     bad = [t for t, i in tok.get_vocab().items() if sv.get(t) != i]
     if bad:
         raise ValueError(f"opd: teacher and student tokenizers differ ({len(bad)} tokens, e.g. {bad[0]!r})")
-    teacher = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype), local_files_only=True)
-    teacher.to(device).eval().requires_grad_(False)
-    return teacher
+    return teacher.eval().requires_grad_(False)
 
 
 @dataclass
@@ -205,13 +196,10 @@ def check_config(cfg: dict) -> None:
 
 
 def train_opd(ctx: StageContext) -> StageResult:
-    cfg = ctx.config
-    check_config(cfg)
-    device = torch.device(ctx.device)
+    cfg, device = setup(ctx, check_config)
     rank, world = ctx.rank, ctx.world_size
-    torch.manual_seed(ctx.seed * 1000 + rank)
     notes = []
-    model, tok, B, mask_id = load_diffusion_model(ctx, ctx.input_dir, cfg["block_size"], cfg["dtype"], notes.append)
+    model, tok, B, mask_id = load_diffusion_model(ctx, cfg["block_size"], cfg["dtype"], notes.append)
     model.eval()  # no dropout: the replayed policy is the one that sampled (gradients still flow)
     teacher = load_teacher(cfg["teacher"], tok, cfg["dtype"], device)
     ids = token_ids(tok)
@@ -229,46 +217,14 @@ def train_opd(ctx: StageContext) -> StageResult:
     def prompt(e):  # the newest history and the candidates sit at the prompt's end: cut from the left
         return e.input_ids[:e.n_prompt][-keep_prompt:]
 
-    G = int(cfg["batch_size"])
-    accum, micro = accumulation(cfg, world)
-    steps_per_epoch = len(train) // G
-    if steps_per_epoch == 0:
-        raise ValueError(f"{len(train)} training prompts, fewer than one global batch of {G}")
-    total = int(cfg["epochs"]) * steps_per_epoch
-    if cfg["max_steps"] is not None:
-        total = min(total, int(cfg["max_steps"]))
-
-    opt = build_optimizer(model, float(cfg["lr"]), float(cfg["weight_decay"]), cfg["betas"], float(cfg["eps"]))
-    sched = build_scheduler(opt, warmup_steps_from(cfg, total), max(total, 1), float(cfg["min_lr_ratio"]))
-    ckpt = Checkpointer(Path(ctx.run_dir) / "checkpoints", (ctx.config_hash or "0")[:16], int(cfg["keep_checkpoints"]))
-    state = TrainState()
-    loaded = ckpt.load_latest() if cfg["resume"] else None
-    if loaded is not None:
-        state = restore(loaded, model, opt, sched, rank, world)
-        del loaded
-    elif ctx.is_main and Path(ctx.output_dir).exists():
-        for p in Path(ctx.output_dir).iterdir():
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-    D.barrier()
-
-    log = RunLogger(ctx.run_dir, enabled=ctx.is_main, progress=ctx.progress and ctx.is_main, total=total,
-                    initial=state.step, desc=ctx.name, resume_step=state.step, resume_rows=state.metrics_rows)
-    for line in notes:
-        log.message(line)
-    if state.step > 0:
-        log.message(f"{ctx.name}: resuming at step {state.step}/{total} (epoch {state.epoch})")
-    else:
+    plan = epoch_plan(cfg, len(train), world, "training prompts")
+    accum = plan.grad_accum
+    opt, sched = optimizer_and_scheduler(model, cfg, warmup_steps_from(cfg, plan.total), plan.total)
+    run = Run(ctx, model, tok, opt, sched, plan.total, notes=notes)
+    state, log = run.state, run.log
+    if not run.resumed:
         log.log(0, "data", {"train_prompts": len(train), "valid_prompts": len(valid), "world_size": world,
-                            "block_size": B, "group_size": Gp, "top_k": int(cfg["top_k"]), "total_steps": total})
-    started, seconds_before, resumed_from = time.perf_counter(), state.train_seconds, state.step
-
-    def snapshot():
-        state.train_seconds = seconds_before + time.perf_counter() - started
-        state.metrics_rows = log.rows_written
-        rngs = D.all_gather_object(capture_rng())
-        if ctx.is_main:
-            ckpt.save(state, model, opt, sched, rngs)
-        D.barrier()
+                            "block_size": B, "group_size": Gp, "top_k": int(cfg["top_k"]), "total_steps": plan.total})
 
     @torch.no_grad()
     def validate():
@@ -286,23 +242,13 @@ def train_opd(ctx: StageContext) -> StageResult:
             sums, loss_sum = r.stats(), float(loss)
         *sums, loss_sum = D.all_reduce_sum([*sums, loss_sum], device)
         val = summarize(sums, loss_sum)
-        state.last_val = val
-        log.log(state.step, "valid", val)
-        if val["kl"] < state.best_val:
-            state.best_val, state.best_step = val["kl"], state.step
-            if ctx.is_main:
-                save_hf_dir(model, tok, ctx.output_dir)
-        D.barrier()
+        run.record_validation(val, val["kl"])
 
-    def at_epoch_end():  # end of an epoch (or of training): validate once, checkpoint
-        validate()
-        snapshot()
-
-    for batch in scheduled_batches(state, len(train), G, ctx.seed, steps_per_epoch, total, at_epoch_end):
+    for batch in scheduled_batches(state, plan, ctx.seed, validate, run.snapshot):
         # 1-2. This rank's rollouts and their teacher caches (no graph is kept).
         rolls = []
         for a, idx in enumerate(D.rank_micro_batches(batch, rank, world, accum)):
-            gen = seeded(device, ctx.seed, state.step, rank * accum + a)
+            gen = D.seeded(device, ctx.seed, state.step, rank * accum + a)
             rolls.append(make_rollouts(model, teacher, tok, [prompt(train[i]) for i in idx for _ in range(Gp)],
                                        [train_cands[i] for i in idx for _ in range(Gp)], cfg, B, mask_id, ids,
                                        float(cfg["temperature"]), gen))
@@ -317,13 +263,8 @@ def train_opd(ctx: StageContext) -> StageResult:
                                        beta, cfg["replay_max_windows"])
             (loss / n_global).backward()
             loss_sum += float(loss.detach())
-        sum_gradients(model)
-        grad_norm = (float(torch.nn.utils.clip_grad_norm_(model.parameters(), float(cfg["max_grad_norm"])))
-                     if cfg["max_grad_norm"] else math.nan)
-        lr = sched.get_last_lr()[0]
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+        D.sum_gradients(model)
+        grad_norm, lr = optimizer_step(model, opt, sched, cfg["max_grad_norm"])
         state.step += 1
         state.batch_in_epoch += 1
         (loss_sum,) = D.all_reduce_sum([loss_sum], device)
@@ -331,32 +272,16 @@ def train_opd(ctx: StageContext) -> StageResult:
         state.last_train_loss = metrics["kl"]
         log.log(state.step, "train", {**metrics, "lr": lr, "grad_norm": grad_norm, "epoch": state.epoch})
         log.progress(1, kl=metrics["kl"], epoch=state.epoch)
-        after_step(state, cfg, total, validate, snapshot)
+        after_step(state, cfg, plan.total, validate, run.snapshot)
 
-    finish(ctx, model, tok, bool(valid), log)
-    lv = state.last_val
-    metrics = {
-        "best_val_kl": state.best_val if valid else None,
-        "best_step": state.best_step if valid else state.step,
-        "last_val_kl": lv.get("kl"),
-        "last_val_valid_json_rate": lv.get("valid_json_rate"),
-        "last_val_tokens_per_step": lv.get("tokens_per_step"),
-        "last_train_kl": state.last_train_loss,
-        "divergence": kind,
-        "block_size": B,
-        "train_prompts": len(train),
-        "train_seconds": seconds_before + time.perf_counter() - started,
-        "world_size": world,
-        "resumed_from_step": resumed_from,
-    }
-    return StageResult(metrics=metrics, optimizer_steps=state.step)
+    return StageResult(optimizer_steps=state.step, metrics=run.finish(bool(valid), {
+        **run.validation_summary(bool(valid), "kl", ("kl", "valid_json_rate", "tokens_per_step")),
+        "divergence": kind, "block_size": B, "train_prompts": len(train),
+    }))
 
 
 class OPDStage(Stage):
-    name = "opd"
-
-    def default_config(self) -> dict:
-        return dict(DEFAULTS)
+    name, defaults = "opd", DEFAULTS
 
     def run(self, ctx: StageContext) -> StageResult:
         return train_opd(ctx)

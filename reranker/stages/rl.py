@@ -1,6 +1,6 @@
 """`rl`: TraceRL-style GRPO/DAPO on the block-diffusion re-ranker (after OPD; any converted model works).
 
-The loop is ar_rl's (stages/ar_rl.py); only the policy differs:
+The loop is the one ar_rl runs (training/policy_optimization.py); only the policy differs:
 
 * Rollouts come from diffusion_decode with the τ, block size and sampling temperature the model is
   served with (defaults: τ = 0.9, the block size recorded in config.diffusion, T = 1), and each
@@ -31,15 +31,13 @@ from reranker.decoding.diffusion import diffusion_decode
 from reranker.decoding.forward import check_commit_rule
 from reranker.decoding.replay import replay_logprobs
 from reranker.rollouts import Sample, Scorer
-from reranker.stages.ar_rl import DEFAULTS as AR_DEFAULTS
-from reranker.stages.ar_rl import check_config as check_ar
-from reranker.stages.ar_rl import train_policy
 from reranker.stages.base import Stage, StageContext, StageResult
+from reranker.training import policy_optimization as PO
 
 ACTION_TOKENS = ("kept", "committed")
 
-DEFAULTS = {k: v for k, v in AR_DEFAULTS.items() if k != "top_p"}  # the diffusion decoder has no top-p
-DEFAULTS.update({
+DEFAULTS = {
+    **PO.DEFAULTS,  # no top_p: the diffusion decoder has none
     "eps_low": 0.2,
     "eps_high": 0.2,  # GRPO's symmetric clip
     "tau": 0.9,  # commit threshold, as served
@@ -48,11 +46,11 @@ DEFAULTS.update({
     "commit_rule": "confidence",  # the decoder's commit rule, as served (forward.commit_confident)
     "action_tokens": "kept",
     "replay_max_windows": None,  # bound the noisy windows per replay forward (memory); same result
-})
+}
 
 
 def check_config(cfg: dict) -> None:
-    check_ar(cfg)
+    PO.check_config(cfg)
     if cfg["action_tokens"] not in ACTION_TOKENS:
         raise ValueError(f"action_tokens must be one of {ACTION_TOKENS}, got {cfg['action_tokens']!r}")
     if not 0.0 < float(cfg["tau"]) <= 1.0:
@@ -99,10 +97,8 @@ def make_diffusion_policy(model, scorer: Scorer, cfg: dict) -> DiffusionPolicy:
 
 
 class DiffusionRLStage(Stage):
-    name = "rl"
-
-    def default_config(self) -> dict:
-        return dict(DEFAULTS)
+    name, defaults = "rl", DEFAULTS
 
     def run(self, ctx: StageContext) -> StageResult:
-        return train_policy(ctx, make_diffusion_policy, check_config)
+        metrics, steps = PO.train_policy(ctx, make_diffusion_policy, check_config)
+        return StageResult(metrics=metrics, optimizer_steps=steps)

@@ -16,9 +16,6 @@ epoch, and every `eval_every` steps if set).
 """
 from __future__ import annotations
 
-import math
-import shutil
-import time
 from pathlib import Path
 
 import torch
@@ -27,12 +24,10 @@ from reranker.stages.base import Stage, StageContext, StageResult
 from reranker.training import distributed as D
 from reranker.training.batches import (IGNORE, collate, encode_examples, read_jsonl, read_train_records,
                                       weighted_nll)
-from reranker.training.checkpoint import (Checkpointer, TrainState, capture_rng, restore,
-                                          save_hf_dir)
-from reranker.training.logging import RunLogger
+from reranker.training.loop import after_step, epoch_plan, scheduled_batches
 from reranker.training.precision import autocast, check_autocast
-from reranker.training.loop import after_step, finish, scheduled_batches
-from reranker.training.schedule import build_optimizer, build_scheduler, warmup_steps_from
+from reranker.training.recipe import Run, load_model_and_tokenizer, optimizer_and_scheduler, optimizer_step, setup
+from reranker.training.schedule import warmup_steps_from
 
 DEFAULTS = {
     # Relative to the data dir (or absolute). A list is a mix: the files' records are pooled and
@@ -80,20 +75,6 @@ def check_config(cfg: dict) -> None:
     check_autocast(cfg["autocast"])
 
 
-def accumulation(cfg: dict, world_size: int) -> tuple[int, int]:
-    """(grad_accum, per-rank micro-batch size) for this world size."""
-    g = int(cfg["batch_size"])
-    if cfg.get("micro_batch_size"):
-        m = int(cfg["micro_batch_size"])
-        if g % (world_size * m):
-            raise ValueError(f"batch_size {g} is not a multiple of world_size {world_size} x micro_batch_size {m}")
-        return g // (world_size * m), m
-    a = int(cfg["grad_accum"])
-    if g % (world_size * a):
-        raise ValueError(f"batch_size {g} is not a multiple of world_size {world_size} x grad_accum {a}")
-    return a, g // (world_size * a)
-
-
 def _to(batch: dict, device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
@@ -139,19 +120,9 @@ def evaluate(model, examples, pad_id: int, lambda_r: float, lambda_o: float, bat
 
 
 def train_sft(ctx: StageContext) -> StageResult:
-    cfg = ctx.config
-    check_config(cfg)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    device = torch.device(ctx.device)
+    cfg, device = setup(ctx, check_config)
     rank, world = ctx.rank, ctx.world_size
-    # Distinct per-rank streams for anything stochastic in the model (dropout); data order
-    # never touches the global RNG.
-    torch.manual_seed(ctx.seed * 1000 + rank)
-
-    tok = AutoTokenizer.from_pretrained(str(ctx.input_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(ctx.input_dir), dtype=getattr(torch, cfg["dtype"]),
-                                                 local_files_only=True).to(device)
+    model, tok = load_model_and_tokenizer(ctx.input_dir, cfg["dtype"], device)
     model.train()
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     max_len = int(cfg["max_len"])
@@ -170,39 +141,14 @@ def train_sft(ctx: StageContext) -> StageResult:
         print(f"{ctx.name}: no {cfg['valid_file']} in the data dir: no validation, the last model is the output",
               flush=True)
 
-    G = int(cfg["batch_size"])
-    accum, micro = accumulation(cfg, world)
-    steps_per_epoch = len(train) // G
-    if steps_per_epoch == 0:
-        raise ValueError(f"{len(train)} training examples, fewer than one global batch of {G}")
-    total = int(cfg["epochs"]) * steps_per_epoch
-    if cfg["max_steps"] is not None:
-        total = min(total, int(cfg["max_steps"]))
-
-    opt = build_optimizer(model, float(cfg["lr"]), float(cfg["weight_decay"]), cfg["betas"], float(cfg["eps"]))
-    sched = build_scheduler(opt, warmup_steps_from(cfg, total), max(total, 1), float(cfg["min_lr_ratio"]))
-    tag = (ctx.config_hash or "0")[:16]
-    ckpt = Checkpointer(Path(ctx.run_dir) / "checkpoints", tag, int(cfg["keep_checkpoints"]))
-
-    state = TrainState()
-    loaded = ckpt.load_latest() if cfg["resume"] else None
-    if loaded is not None:
-        state = restore(loaded, model, opt, sched, rank, world)
-        del loaded
-    elif ctx.is_main and Path(ctx.output_dir).exists():
-        # Fresh start: whatever a stale attempt left in the .partial dir is not ours.
-        for p in Path(ctx.output_dir).iterdir():
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
-    D.barrier()
-
-    log = RunLogger(ctx.run_dir, enabled=ctx.is_main, progress=ctx.progress and ctx.is_main, total=total,
-                    initial=state.step, desc=ctx.name, resume_step=state.step, resume_rows=state.metrics_rows)
-    if state.step > 0:
-        log.message(f"{ctx.name}: resuming at step {state.step}/{total} "
-                    f"(epoch {state.epoch}, batch {state.batch_in_epoch})")
-    else:
+    plan = epoch_plan(cfg, len(train), world)
+    opt, sched = optimizer_and_scheduler(model, cfg, warmup_steps_from(cfg, plan.total), plan.total)
+    run = Run(ctx, model, tok, opt, sched, plan.total)
+    state, log = run.state, run.log
+    if not run.resumed:
         log.log(0, "data", {**train_stats, "valid_examples": len(valid), "world_size": world,
-                            "grad_accum": accum, "micro_batch_size": micro, "total_steps": total})
+                            "grad_accum": plan.grad_accum, "micro_batch_size": plan.micro_batch_size,
+                            "total_steps": plan.total})
         if train_stats["prompt_truncated_examples"] or train_stats["response_truncated_examples"]:
             log.message(f"{ctx.name}: truncated to max_len={max_len}: "
                         f"{train_stats['prompt_truncated_examples']} prompts (from the left), "
@@ -212,38 +158,15 @@ def train_sft(ctx: StageContext) -> StageResult:
         raise RuntimeError(f"context says world_size {world}, the process group has {env.world_size}")
     ddp = D.wrap_ddp(model, env)
 
-    started = time.perf_counter()
-    seconds_before = state.train_seconds
-    resumed_from = state.step
-
-    def snapshot():
-        state.train_seconds = seconds_before + time.perf_counter() - started
-        state.metrics_rows = log.rows_written
-        rngs = D.all_gather_object(capture_rng())
-        if ctx.is_main:
-            ckpt.save(state, model, opt, sched, rngs)
-        D.barrier()
-
     def validate():
-        if not valid:
-            return
-        last_val = evaluate(model, valid, pad_id, lam_r, lam_o, int(cfg["eval_batch_size"]), device, rank, world)
-        state.last_val = {k: last_val[k] for k in ("loss", "nll", "answer_nll")}
-        log.log(state.step, "valid", {k: last_val[k] for k in ("loss", "nll", "answer_nll")})
-        if last_val["loss"] < state.best_val:
-            state.best_val, state.best_step = last_val["loss"], state.step
-            if ctx.is_main:
-                save_hf_dir(model, tok, ctx.output_dir)
-        D.barrier()
+        if valid:
+            val = evaluate(model, valid, pad_id, lam_r, lam_o, int(cfg["eval_batch_size"]), device, rank, world)
+            run.record_validation({k: val[k] for k in ("loss", "nll", "answer_nll")}, val["loss"])
 
-    def at_epoch_end():  # end of an epoch (or of training): validate once, checkpoint
-        validate()
-        snapshot()
-
-    for batch in scheduled_batches(state, len(train), G, ctx.seed, steps_per_epoch, total, at_epoch_end):
+    for batch in scheduled_batches(state, plan, ctx.seed, validate, run.snapshot):
         n_tokens = sum(train[i].n_supervised for i in batch)  # global N, known to every rank
         sums = [0.0, 0.0, 0.0, 0.0]  # weighted, nll, answer nll, answer tokens
-        micro_batches = D.rank_micro_batches(batch, rank, world, accum)
+        micro_batches = D.rank_micro_batches(batch, rank, world, plan.grad_accum)
         for a, idx in enumerate(micro_batches):
             b = _to(collate([train[i] for i in idx], pad_id, lam_r, lam_o), device)
             with D.no_sync(ddp, a < len(micro_batches) - 1):
@@ -254,14 +177,7 @@ def train_sft(ctx: StageContext) -> StageResult:
                 (loss_sum * (world / max(n_tokens, 1))).backward()
             parts = [float(loss_sum.detach()), st["nll_sum"], st["answer_nll_sum"], st["answer_tokens"]]
             sums = [x + y for x, y in zip(sums, parts)]
-        if cfg["max_grad_norm"]:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float(cfg["max_grad_norm"])))
-        else:
-            grad_norm = math.nan
-        lr = sched.get_last_lr()[0]
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+        grad_norm, lr = optimizer_step(model, opt, sched, cfg["max_grad_norm"])
         state.step += 1
         state.batch_in_epoch += 1
 
@@ -270,31 +186,18 @@ def train_sft(ctx: StageContext) -> StageResult:
         log.log(state.step, "train", {"loss": last_loss, "nll": nll / max(n_tokens, 1), "answer_nll": anll / max(an, 1),
                                       "lr": lr, "grad_norm": grad_norm, "tokens": n_tokens, "epoch": state.epoch})
         log.progress(1, loss=last_loss, epoch=state.epoch)
-        after_step(state, cfg, total, validate, snapshot)
+        after_step(state, cfg, plan.total, validate, run.snapshot)
 
-    finish(ctx, model, tok, bool(valid), log)
-    metrics = {
-        "best_val_loss": state.best_val if valid else None,
-        "best_step": state.best_step if valid else state.step,
-        "last_val_loss": state.last_val.get("loss"),
-        "last_val_nll": state.last_val.get("nll"),
-        "last_val_answer_nll": state.last_val.get("answer_nll"),
-        "last_train_loss": state.last_train_loss,
+    return StageResult(optimizer_steps=state.step, metrics=run.finish(bool(valid), {
+        **run.validation_summary(bool(valid), "loss", ("loss", "nll", "answer_nll")),
         "train_examples": len(train),
         "valid_examples": len(valid),
         "prompt_truncated_examples": train_stats["prompt_truncated_examples"],
-        "train_seconds": seconds_before + time.perf_counter() - started,
-        "world_size": world,
-        "resumed_from_step": resumed_from,
-    }
-    return StageResult(metrics=metrics, optimizer_steps=state.step)
+    }))
 
 
 class SFTStage(Stage):
-    name = "sft"
-
-    def default_config(self) -> dict:
-        return dict(DEFAULTS)
+    name, defaults = "sft", DEFAULTS
 
     def run(self, ctx: StageContext) -> StageResult:
         return train_sft(ctx)

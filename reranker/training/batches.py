@@ -67,6 +67,13 @@ def end_of_turn(tokenizer) -> str:
     return tokenizer.eos_token
 
 
+def token_ids(tokenizer) -> tuple[int, int]:
+    """(eos, pad): EOS is the response's end-of-turn token (what the decoders stop at); pad falls
+    back to it."""
+    eos = tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer))
+    return eos, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+
+
 def _local_token_types(tokenizer, text: str) -> list[str]:
     """Same rule as reranker.prompt.response_token_types: from the first </think> on, answer."""
     close = text.find(THINK_CLOSE)

@@ -11,6 +11,7 @@ run reproduce a 1-process run step for step (and lets a run resume on a differen
 """
 from __future__ import annotations
 
+import json
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -120,6 +121,14 @@ def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> list[int
     return torch.randperm(n, generator=g).tolist()
 
 
+def seeded(device, *parts) -> torch.Generator:
+    """A generator keyed by plain data, e.g. (seed, step, example) or (seed, step, micro-batch):
+    noise and rollouts are reproducible on resume and do not depend on which rank draws them."""
+    g = torch.Generator(device=device)
+    g.manual_seed(int.from_bytes(json.dumps(parts).encode(), "little") % (2**61 - 1))
+    return g
+
+
 def global_batches(order: list[int], batch_size: int) -> list[list[int]]:
     """Consecutive global batches; the last incomplete one is dropped so every optimizer step
     sees exactly `batch_size` examples (a different tail is dropped each epoch)."""
@@ -155,6 +164,27 @@ def all_reduce_sum(values, device: torch.device | str = "cpu") -> list[float]:
     if is_distributed():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.tolist()
+
+
+def sum_gradients(model: torch.nn.Module) -> None:
+    """All-reduce (sum) every gradient over ranks in one flat buffer; a no-op on one process.
+
+    For the stages that do not wrap the model in DDP (cft, opd, the RL loop): the diffusion loss
+    and the decoders read the model's own attributes (dtype, config), which a wrapper hides, and
+    the chunked replay calls the model several times per backward, which DDP's reducer does not
+    allow. Each rank's loss is already divided by the GLOBAL token count, so the sum is exactly
+    the 1-process gradient. A parameter without a gradient on this rank sends zeros: every rank
+    must send the same tensors."""
+    if not is_distributed():
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    for p, chunk in zip(params, flat.split([p.numel() for p in params])):
+        p.grad.copy_(chunk.view_as(p))
 
 
 def all_reduce_metrics(metrics: dict, op: str = "mean", device: torch.device | str = "cpu") -> dict:
