@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,16 +104,10 @@ def _read_lines(path: Path) -> list[str]:
         return f.readlines()
 
 
-def load_interactions(path: str | os.PathLike) -> Interactions:
-    """Load a `.inter` file; raises AtomicFormatError naming file, line and field."""
-    path = Path(path)
-    lines = _read_lines(path)
-    cols = _read_header(path, lines, INTER_REQUIRED)
+def _data_rows(path: Path, lines: list[str]) -> Iterator[tuple[int, list[str]]]:
+    """(line number, tab-separated fields) of each non-blank row below the header; a row with
+    another number of fields than the header is an error naming the line."""
     n_cols = len(lines[0].rstrip("\n\r").split("\t"))
-    iu, ii, it = cols["user_id"], cols["item_id"], cols["timestamp"]
-    users, items, times = [], [], []
-    seen: dict[tuple[str, str, float], int] = {}
-    dups = 0
     for lineno, raw in enumerate(lines[1:], start=2):
         line = raw.rstrip("\n\r")
         if not line.strip():
@@ -122,6 +117,19 @@ def load_interactions(path: str | os.PathLike) -> Interactions:
             raise AtomicFormatError(
                 f"{path}: line {lineno}: expected {n_cols} tab-separated columns, found {len(parts)}"
             )
+        yield lineno, parts
+
+
+def load_interactions(path: str | os.PathLike) -> Interactions:
+    """Load a `.inter` file; raises AtomicFormatError naming file, line and field."""
+    path = Path(path)
+    lines = _read_lines(path)
+    cols = _read_header(path, lines, INTER_REQUIRED)
+    iu, ii, it = cols["user_id"], cols["item_id"], cols["timestamp"]
+    users, items, times = [], [], []
+    seen: dict[tuple[str, str, float], int] = {}
+    dups = 0
+    for lineno, parts in _data_rows(path, lines):
         u, i, ts = parts[iu].strip(), parts[ii].strip(), parts[it].strip()
         if not u:
             raise AtomicFormatError(f"{path}: line {lineno}: field 'user_id' is empty")
@@ -158,17 +166,8 @@ def load_items(path: str | os.PathLike) -> ItemTable:
     path = Path(path)
     lines = _read_lines(path)
     cols = _read_header(path, lines, ITEM_REQUIRED)
-    n_cols = len(lines[0].rstrip("\n\r").split("\t"))
     table = ItemTable()
-    for lineno, raw in enumerate(lines[1:], start=2):
-        line = raw.rstrip("\n\r")
-        if not line.strip():
-            continue
-        parts = line.split("\t")
-        if len(parts) != n_cols:
-            raise AtomicFormatError(
-                f"{path}: line {lineno}: expected {n_cols} tab-separated columns, found {len(parts)}"
-            )
+    for lineno, parts in _data_rows(path, lines):
         item = parts[cols["item_id"]].strip()
         if not item:
             raise AtomicFormatError(f"{path}: line {lineno}: field 'item_id' is empty")

@@ -22,14 +22,15 @@ RESULTS_DIR = Path("docs/results")
 
 
 # ---------------------------------------------------------------- atomic writes
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write text to a temp file beside `path`, then rename: readers never see half a file."""
+def atomic_write(path: str | os.PathLike, write: Callable[[str], object]) -> Path:
+    """Run ``write(tmp)`` on a temp file beside `path`, then rename it into place: readers never
+    see half a file. For writers that want a file name (safetensors' save_file, ...)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        write(tmp)
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; a result or data file is for everyone to read
         os.replace(tmp, path)
     except BaseException:
@@ -37,6 +38,15 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
             os.unlink(tmp)
         raise
     return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write text to a temp file beside `path`, then rename: readers never see half a file."""
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    return atomic_write(path, write)
 
 
 def atomic_write_json(path: str | os.PathLike, obj) -> Path:
@@ -68,20 +78,25 @@ def write_dir_atomically(path: str | os.PathLike, save: Callable[[Path], object]
 
 
 # ---------------------------------------------------------------- JSON lines
+def parse_json_object(text: str, where: str, error: type[BaseException] = ValueError) -> dict:
+    """`text` as a JSON object; text that is not valid JSON or not an object raises `error`,
+    its message starting with `where` (a file and line, a command-line flag)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise error(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(value, dict):
+        raise error(f"{where}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
 def iter_jsonl(path: str | os.PathLike, error: type[Exception] = ValueError) -> Iterator[tuple[int, dict]]:
     """(line number, JSON object) for each non-blank line of `path`. A line that is not valid JSON
     or not an object raises `error` naming file and line."""
     with open(path, encoding="utf-8") as f:
         for lineno, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                row = json.loads(raw)
-            except json.JSONDecodeError as err:
-                raise error(f"{path}:{lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
-            if not isinstance(row, dict):
-                raise error(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            yield lineno, row
+            if raw.strip():
+                yield lineno, parse_json_object(raw, f"{path}:{lineno}", error)
 
 
 def read_jsonl(path: str | os.PathLike, required: dict[str, type] | None = None,

@@ -5,6 +5,14 @@ are provided only for the duration of a `with recbole_compat():` block and resto
 no other code in the process sees a modified numpy. RecBole's TensorBoard writer is redirected into
 the run directory instead of `./log_tensorboard`.
 
+RecBole's chatter is dropped inside the block, and only there: the FutureWarnings its code triggers
+(pandas' chained-assignment warning for `fillna(inplace=True)` on every dataset load, torch's
+`torch.cuda.amp.GradScaler` deprecation in its Trainer), its INFO lines (it logs to the root logger:
+dataloader settings, per-epoch losses and validation results), and its warning that our command
+line "will not be used in RecBole" (it reads sys.argv for `--key=value` overrides). Its other
+warnings pass. The warnings filter lives in a `warnings.catch_warnings()` and the log filter is
+removed on exit, so code outside the block sees both as before.
+
 Nothing is unpickled inside the block. `create_dataset` and `data_preparation` unpickle a cached
 dataset / dataloaders file whenever one exists in `checkpoint_dir` (`<dataset>-SequentialDataset.pth`,
 `<dataset>-for-<model>-dataloader.pth`) or at `dataset_save_path` / `dataloaders_save_path`; a crafted
@@ -17,8 +25,10 @@ loads (`resume_checkpoint`, `evaluate(load_best_model=True)`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import pickle
 import types
+import warnings
 
 import numpy as np
 
@@ -41,6 +51,12 @@ _NO_LOAD_PICKLE = types.SimpleNamespace(dump=pickle.dump, dumps=pickle.dumps, lo
                                         loads=_refuse_unpickling, HIGHEST_PROTOCOL=pickle.HIGHEST_PROTOCOL)
 
 
+def _not_recbole_chatter(record: logging.LogRecord) -> bool:
+    """A filter for the root logger, which RecBole logs to (`getLogger()`); records of named loggers
+    (ours) reach the root's handlers without passing through it."""
+    return record.levelno >= logging.WARNING and not str(record.msg).startswith("command line args [")
+
+
 @contextlib.contextmanager
 def recbole_compat(tensorboard_dir: str | None = None):
     saved = {n: np.__dict__.get(n, _MISSING) for n in (*_NUMPY_ALIASES, *_RECBOLE_ASSIGNS)}
@@ -58,9 +74,14 @@ def recbole_compat(tensorboard_dir: str | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
         rb_trainer.get_tensorboard = lambda logger: SummaryWriter(tensorboard_dir)
+    root = logging.getLogger()
+    root.addFilter(_not_recbole_chatter)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning, module=r"recbole\.")
+            yield
     finally:
+        root.removeFilter(_not_recbole_chatter)
         rb_data_utils.pickle = original_pickle
         rb_trainer.get_tensorboard = original_tb
         for name, value in saved.items():

@@ -20,7 +20,6 @@ import logging
 import math
 import os
 import re
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 
 from .atomic import write_interactions
-from .files import atomic_write_text
+from .files import atomic_write, atomic_write_text
 from .recbole_compat import recbole_compat
 
 log = logging.getLogger(__name__)
@@ -193,20 +192,8 @@ def save_weights(path: str | os.PathLike, state_dict: dict) -> Path:
     """A state dict as safetensors, atomically (a temp file beside `path`, then a rename)."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={"format": "pt"})
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
 
 
 def load_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -330,6 +317,25 @@ def _keep_best_in_memory(trainer) -> dict:
     return best
 
 
+def _fit(trainer, train_data, valid_data, show_progress: bool) -> None:
+    """`trainer.fit` with one bar of ours over the epochs (the validation score beside it) in place
+    of RecBole's two bars per epoch (its per-epoch log lines are dropped by recbole_compat), then
+    one log line: what the user waits on, without a screen of bars per SASRec model."""
+    from tqdm.auto import tqdm
+
+    metric, epochs = trainer.config["valid_metric"], [0]
+    with tqdm(total=trainer.epochs, desc="SASRec epochs", unit="epoch", leave=False,
+              disable=not show_progress) as bar:
+        def epoch_done(epoch_idx, valid_score):
+            bar.set_postfix_str(f"valid {metric} {valid_score:.4f}", refresh=False)
+            bar.update(epoch_idx + 1 - epochs[0])
+            epochs[0] = epoch_idx + 1
+
+        trainer.fit(train_data, valid_data, saved=True, show_progress=False, callback_fn=epoch_done)
+    log.info("SASRec: %d of at most %d epochs, best valid %s %.4f", epochs[0], trainer.epochs, metric,
+             trainer.best_valid_score)
+
+
 def train_sasrec(data_root: Path, name: str, run_dir: Path, params: dict, seed: int = 0,
                  evaluate: bool = True) -> SasrecRun:
     """Train SASRec on `<data_root>/<name>`; resumes nothing but reuses a finished checkpoint."""
@@ -357,7 +363,7 @@ def train_sasrec(data_root: Path, name: str, run_dir: Path, params: dict, seed: 
             train_seconds = reused
         else:
             best = _keep_best_in_memory(trainer)
-            trainer.fit(train_data, valid_data, saved=True, show_progress=config["show_progress"])
+            _fit(trainer, train_data, valid_data, show_progress=config["show_progress"])
             if "state_dict" in best:
                 model.load_state_dict(best["state_dict"])
             else:  # fit saved nothing (no epoch ran): the weights as they are

@@ -580,6 +580,10 @@ class Section:
     intro: str = ""
 
 
+# One `dgr2 speed` run writes the file behind the three decode-speed sections.
+_SPEED_RUN = ("dgr2 speed --ar <ar_dir> --diffusion <diff_dir> --data <data_dir> "
+              "--out docs/results/diffusion-speed-<name>.json")
+
 # In the order of the data flow: retrieval, re-ranking data, the AR teacher, conversion and the
 # diffusion training stages, decoding speed, the service, RecBole end to end.
 SECTIONS = [
@@ -601,15 +605,9 @@ SECTIONS = [
             "dgr2 report curves --run <label>=<runs>/<stage> ... --out docs/results/curves-<name>.json"),
     Section("Training step cost: float32 vs autocast bf16", "train-cost-", train_cost_section,
             "dgr2 train-cost --size cpu --vocab 3032 --out docs/results/train-cost-<name>.json"),
-    Section("Decode speed: block diffusion vs AR", "diffusion-speed-", speed_section,
-            "dgr2 speed --ar <ar_dir> --diffusion <diff_dir> --data <data_dir> "
-            "--out docs/results/diffusion-speed-<name>.json"),
-    Section("τ frontier: Recall@1 vs decode speed", "diffusion-speed-", frontier_section,
-            "dgr2 speed --ar <ar_dir> --diffusion <diff_dir> --data <data_dir> "
-            "--out docs/results/diffusion-speed-<name>.json"),
-    Section("Speed-up vs output length and batch size", "diffusion-speed-", length_batch_section,
-            "dgr2 speed --ar <ar_dir> --diffusion <diff_dir> --data <data_dir> "
-            "--out docs/results/diffusion-speed-<name>.json"),
+    Section("Decode speed: block diffusion vs AR", "diffusion-speed-", speed_section, _SPEED_RUN),
+    Section("τ frontier: Recall@1 vs decode speed", "diffusion-speed-", frontier_section, _SPEED_RUN),
+    Section("Speed-up vs output length and batch size", "diffusion-speed-", length_batch_section, _SPEED_RUN),
     Section("Speed-up ceiling of exact block diffusion (forward cost)", "forward-cost-", forward_cost_section,
             "dgr2 forward-cost --size cpu --vocab 3032 --out docs/results/forward-cost-<name>.json"),
     Section("Service load (gRPC)", "service-load", service_section,

@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from candidate_gen.files import write_result
+from candidate_gen.files import parse_json_object, write_result
 
 from .config import ConfigError, load_config, retrieval_settings, section
 
@@ -18,16 +18,22 @@ def _command() -> str:
     return "dgr2 " + shlex.join(sys.argv[1:])
 
 
+def _save_results(path, doc: dict, command: str | None = None) -> int:
+    """Write `doc` as a docs/results file at `path`, when a path was given, and say so; the command
+    recorded is this invocation unless another is given. Returns 0, a command's exit status."""
+    if path:
+        write_result(path, doc, command if command is not None else _command())
+        print(f"results written to {path}")
+    return 0
+
+
 def cmd_retrieve(args) -> int:
     from candidate_gen.retrieve import run_retrieval
 
     cfg = load_config(args.config)
     res = run_retrieval(retrieval_settings(cfg, args.data, args.out))
     print(format_retrieval(res))
-    if args.results:
-        write_result(args.results, res, _command())
-        print(f"results written to {args.results}")
-    return 0
+    return _save_results(args.results, res)
 
 
 def cmd_results(args) -> int:
@@ -41,9 +47,7 @@ def cmd_results(args) -> int:
         metrics["hnsw_recall@10"] = remeasure_hnsw(args.artifacts, Retriever.load(args.artifacts).encoder)
         metrics["hnsw_remeasured_by"] = _command()
         print(f"hnsw_recall@10 re-measured: {metrics['hnsw_recall@10']:.4f}")
-    write_result(args.out, metrics, args.command)
-    print(f"results written to {args.out}")
-    return 0
+    return _save_results(args.out, metrics, args.command)
 
 
 def _ints(s: str) -> tuple[int, ...]:
@@ -105,10 +109,7 @@ def cmd_train_cost(args) -> int:
         print(f"autocast {r['autocast']:>4s}: {r['seconds']['median']:.3f} s per step "
               f"[{r['seconds']['min']:.3f}-{r['seconds']['max']:.3f}]")
     print(f"speed-up {rep['speedup']:.2f}x ({args.batch_size} sequences of {args.length} tokens)")
-    if args.out:
-        write_result(args.out, rep, _command())
-        print(f"results written to {args.out}")
-    return 0
+    return _save_results(args.out, rep)
 
 
 def cmd_bench(args) -> int:
@@ -156,10 +157,7 @@ def cmd_eval(args) -> int:
     if args.outputs:
         write_outputs(args.outputs, rep.pop("outputs"))  # beside the report, not inside it
         print(f"per-example outputs written to {args.outputs}")
-    if args.out:
-        write_result(args.out, rep, _command())
-        print(f"results written to {args.out}")
-    return 0
+    return _save_results(args.out, rep)
 
 
 def cmd_convert(args) -> int:
@@ -195,13 +193,11 @@ def cmd_model_init(args) -> int:
 
 
 def _json_arg(text: str, flag: str) -> dict:
+    """A flag's JSON object of settings; anything else exits with a message naming the flag and its text."""
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise SystemExit(f"{flag}: not valid JSON ({e.msg} at character {e.pos}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise SystemExit(f"{flag}: expected a JSON object of settings, got {text!r}")
-    return value
+        return parse_json_object(text, flag)
+    except ValueError as e:
+        raise SystemExit(f"{e}: {text!r}") from None
 
 
 def cmd_train(args) -> int:
@@ -284,15 +280,12 @@ def cmd_sid_copy(args) -> int:
             g = r["greedy"]
             print(f"  greedy decoding: valid {g['valid_rate']:.3f}, the reference order {g['exact_rate']:.3f}"
                   + "".join(f", {k} {v}" for k, v in g["failures"].items()))
-    if args.out:
-        payload = {"rows": rows}
-        if args.add_to and Path(args.out).is_file():
-            old = json.loads(Path(args.out).read_text(encoding="utf-8"))
-            payload = {"rows": old.get("rows", []) + rows,
-                       "commands": old.get("commands", [old.get("command")]) + [_command()]}
-        write_result(args.out, payload, _command())
-        print(f"results written to {args.out}")
-    return 0
+    payload = {"rows": rows}
+    if args.out and args.add_to and Path(args.out).is_file():
+        old = json.loads(Path(args.out).read_text(encoding="utf-8"))
+        payload = {"rows": old.get("rows", []) + rows,
+                   "commands": old.get("commands", [old.get("command")]) + [_command()]}
+    return _save_results(args.out, payload)
 
 
 def cmd_report(args) -> int:
@@ -312,9 +305,7 @@ def cmd_report(args) -> int:
         rep = R.stages_report(rows, args.reference, abl, args.n_boot, args.seed)
     if args.note:
         rep["note"] = args.note
-    write_result(args.out, rep, _command())
-    print(f"results written to {args.out}")
-    return 0
+    return _save_results(args.out, rep)
 
 
 def cmd_baselines(args) -> int:
@@ -324,10 +315,7 @@ def cmd_baselines(args) -> int:
     _, _, data_dir = _data_paths(cfg, None)
     res = run_baselines(args.data_dir or data_dir, seed=int(cfg.get("seed", 0)))
     print(baselines_table(res))
-    if args.results:
-        write_result(args.results, res, _command())
-        print(f"results written to {args.results}")
-    return 0
+    return _save_results(args.results, res)
 
 
 def cmd_e2e(args) -> int:
@@ -348,10 +336,7 @@ def cmd_e2e(args) -> int:
         res = merge_into(old, res)
         command = "; ".join(c for c in (old.get("command"), command) if c)
     print(format_e2e(res))
-    if args.out:
-        write_result(args.out, res, command)
-        print(f"results written to {args.out}")
-    return 0
+    return _save_results(args.out, res, command)
 
 
 def format_retrieval(res: dict) -> str:

@@ -6,11 +6,15 @@ returns its path, or returns None when the document holds nothing to plot (then 
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import NullFormatter, ScalarFormatter
+from matplotlib.text import Text
+from matplotlib.ticker import FixedLocator, NullFormatter, ScalarFormatter
+from matplotlib.transforms import Bbox
 
 _META = {"Software": None}  # keep the PNG bytes free of the matplotlib version
 
@@ -60,7 +64,7 @@ def plot_tau_frontier(doc: dict, path, title: str = "") -> Path | None:
     """Recall@1 vs decode tokens/s: one point per tau per batch size, AR as the reference star."""
     fig = _new()
     ax = fig.add_subplot()
-    drawn = False
+    labels = []  # (x, y, text, colour): placed once the axes are final
     for row in doc.get("batches") or []:
         pts = [p for p in row.get("points") or [] if p.get("recall@1") is not None and _med(p.get("tokens_per_second"))]
         if not pts:
@@ -68,21 +72,87 @@ def plot_tau_frontier(doc: dict, path, title: str = "") -> Path | None:
         b = row.get("batch_size")
         xs = [_med(p["tokens_per_second"]) for p in pts]
         line = ax.plot(xs, [p["recall@1"] for p in pts], "o-", label=f"diffusion, batch {b}")[0]
-        for p, x in zip(pts, xs):
-            ax.annotate(f"τ={p['tau']:g}", (x, p["recall@1"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        labels += [(x, p["recall@1"], f"τ={p['tau']:g}", line.get_color()) for p, x in zip(pts, xs)]
         ar = row.get("ar") or {}
         if ar.get("recall@1") is not None and _med(ar.get("tokens_per_second")):
             ax.plot([_med(ar["tokens_per_second"])], [ar["recall@1"]], "*", ms=14, color=line.get_color(),
                     label=f"AR, batch {b}")
-        drawn = True
-    if not drawn:
+    if not labels:
         return None
     ax.set_xlabel("decode tokens/s (median)")
     ax.set_ylabel("Recall@1")
     ax.set_title(title or "τ frontier: accuracy vs decode speed")
     ax.grid(alpha=0.3)
+    ax.margins(x=0.08, y=0.12)  # room for the labels of the outermost points
     ax.legend(fontsize=8)
+    _label_points(ax, labels)
     return _save(fig, path)
+
+
+# Where a point's label may go, nearest first: (dx, dy) in points from the point, the label's
+# corner there facing the point; the further rings get a leader line.
+_RING = [(1, 1), (1, -1), (-1, 1), (-1, -1), (0, 1), (0, -1), (1, 0), (-1, 0)]
+_OFFSETS = [(r * dx, r * dy) for r in (5, 14, 24, 36) for dx, dy in _RING]
+
+
+def _label_points(ax, labels) -> None:
+    """Annotate each (x, y, text, colour) at the nearest offset where the label stays inside the
+    axes and covers no marker, no legend and no label placed before it, preferring offsets that
+    cross no plotted line either (the nearest offset when none is free). Fixes the figure's layout
+    first: the check is in display coordinates."""
+    fig = ax.figure
+    fig.draw_without_rendering()
+    fig.set_layout_engine("none")  # keep the axes where the check saw them
+    renderer = fig.canvas.get_renderer()
+    inside = ax.get_window_extent(renderer).padded(-2)
+    taken, on_lines = [], []  # boxes a label must not cover; points along the lines it should not cross
+    for line in ax.get_lines():
+        xy = ax.transData.transform(line.get_xydata())
+        r = line.get_markersize() * fig.dpi / 72 / 2
+        taken += [Bbox.from_extents(px - r, py - r, px + r, py + r) for px, py in xy]
+        if line.get_linestyle() not in ("None", " ", ""):
+            for a, b in zip(xy[:-1], xy[1:]):
+                n = max(2, int(np.hypot(*(b - a)) / 2))
+                on_lines.append(a + np.linspace(0, 1, n)[:, None] * (b - a))
+    if ax.get_legend() is not None:
+        taken.append(ax.get_legend().get_window_extent(renderer))
+    on_lines = np.concatenate(on_lines) if on_lines else np.empty((0, 2))
+
+    def crosses_line(bb) -> bool:
+        x, y = on_lines[:, 0], on_lines[:, 1]
+        return bool(((x > bb.x0) & (x < bb.x1) & (y > bb.y0) & (y < bb.y1)).any())
+
+    for x, y, text, colour in labels:
+        free = []  # the offsets, nearest first, where the label is inside and covers nothing taken
+        for offset in _OFFSETS:
+            bb = _text_box(_annotate(ax, text, (x, y), offset, colour), renderer, remove=True)
+            inner = inside.x0 <= bb.x0 and bb.x1 <= inside.x1 and inside.y0 <= bb.y0 and bb.y1 <= inside.y1
+            if inner and not any(bb.overlaps(t) for t in taken):
+                if not crosses_line(bb):
+                    free.insert(0, offset)  # the first clear of the lines too: take it
+                    break
+                free.append(offset)
+        taken.append(_text_box(_annotate(ax, text, (x, y), (free or _OFFSETS)[0], colour), renderer))
+
+
+def _text_box(ann, renderer, remove: bool = False) -> Bbox:
+    """An annotation's text in display coordinates, without its leader line (which would cover the
+    point it labels); `remove` takes the annotation off the axes (a trial placement)."""
+    ann.update_positions(renderer)  # the text's place follows from the point and the offset
+    bb = Text.get_window_extent(ann, renderer)
+    if remove:
+        ann.remove()
+    return bb
+
+
+def _annotate(ax, text, xy, offset, colour):
+    """`text` at `offset` points from `xy`, its corner facing the point; a leader line when it is far."""
+    dx, dy = offset
+    far = abs(dx) + abs(dy) > 12
+    return ax.annotate(text, xy, textcoords="offset points", xytext=offset, fontsize=8, color=colour,
+                       ha="left" if dx > 0 else "right" if dx < 0 else "center",
+                       va="bottom" if dy > 0 else "top" if dy < 0 else "center",
+                       arrowprops=dict(arrowstyle="-", color=colour, lw=0.6, shrinkA=0, shrinkB=0) if far else None)
 
 
 def plot_speedup_vs_length(doc: dict, path, title: str = "") -> Path | None:
@@ -95,23 +165,9 @@ def plot_speedup_vs_length(doc: dict, path, title: str = "") -> Path | None:
             if _med(s) is None:
                 continue
             series.setdefault((p.get("tau"), row.get("batch_size")), []).append((row.get("length"), s))
-    if not series:
-        return None
-    fig = _new()
-    ax = fig.add_subplot()
-    for (tau, b), pts in sorted(series.items(), key=lambda kv: (str(kv[0][1]), str(kv[0][0]))):
-        pts.sort(key=lambda t: t[0])
-        errs = list(zip(*[_err(s) for _, s in pts]))
-        ax.errorbar([L for L, _ in pts], [_med(s) for _, s in pts], yerr=errs, marker="o", capsize=3,
-                    label=f"τ={tau:g}, batch {b}")
-    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    _log2_axis(ax, [L for pts in series.values() for L, _ in pts])
-    ax.set_xlabel("generated tokens per row (EOS disabled)")
-    ax.set_ylabel("speed-up (diffusion tok/s ÷ AR tok/s)")
-    ax.set_title(title or "Speed-up vs output length")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
+    lines = [(f"τ={tau:g}, batch {b}", pts)
+             for (tau, b), pts in sorted(series.items(), key=lambda kv: (str(kv[0][1]), str(kv[0][0])))]
+    return _speedup_plot(lines, path, "generated tokens per row (EOS disabled)", title or "Speed-up vs output length")
 
 
 def plot_speedup_vs_batch(doc: dict, path, title: str = "") -> Path | None:
@@ -122,20 +178,26 @@ def plot_speedup_vs_batch(doc: dict, path, title: str = "") -> Path | None:
             s = _speedup(p)
             if _med(s) is not None:
                 series.setdefault(p.get("tau"), []).append((row.get("batch_size"), s))
-    if not series:
+    lines = [(f"τ={tau:g}", pts) for tau, pts in sorted(series.items(), key=lambda kv: -(kv[0] or 0))]
+    return _speedup_plot(lines, path, "batch size", title or "Speed-up vs batch size")
+
+
+def _speedup_plot(lines: list[tuple[str, list]], path, xlabel: str, title: str) -> Path | None:
+    """Speed-up (median, min..max error bars) vs a base-2 x, one line per (label, [(x, stats)]), in
+    that order, with the break-even line at 1; None when there are no lines."""
+    if not lines:
         return None
     fig = _new()
     ax = fig.add_subplot()
-    for tau, pts in sorted(series.items(), key=lambda kv: -(kv[0] or 0)):
+    for label, pts in lines:
         pts.sort(key=lambda t: t[0])
         errs = list(zip(*[_err(s) for _, s in pts]))
-        ax.errorbar([b for b, _ in pts], [_med(s) for _, s in pts], yerr=errs, marker="o", capsize=3,
-                    label=f"τ={tau:g}")
+        ax.errorbar([x for x, _ in pts], [_med(s) for _, s in pts], yerr=errs, marker="o", capsize=3, label=label)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    _log2_axis(ax, [b for pts in series.values() for b, _ in pts])
-    ax.set_xlabel("batch size")
+    _log2_axis(ax, [x for _, pts in lines for x, _ in pts])
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("speed-up (diffusion tok/s ÷ AR tok/s)")
-    ax.set_title(title or "Speed-up vs batch size")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, path)
@@ -197,9 +259,7 @@ def plot_training_curves(doc: dict, path, title: str = "") -> Path | None:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=colours[label],
                             label=f"{label} ({kind})", markersize=3, linewidth=1)
                     values += [p[1] for p in pts]
-        positive = [v for v in values if v > 0]
-        if positive and len(positive) == len(values) and max(positive) > 30 * min(positive):
-            ax.set_yscale("log")  # losses spanning orders of magnitude
+        _spread_y(ax, values)
         ax.set_title(m)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -209,10 +269,43 @@ def plot_training_curves(doc: dict, path, title: str = "") -> Path | None:
             if lab not in labels:
                 handles.append(h)
                 labels.append(lab)
-    fig.legend(handles, labels, loc="outside lower center", fontsize=7,
-               ncol=1 if len(labels) > 4 else len(labels), frameon=False)
+    # As many columns as fit the figure's width (a legend wider than the figure is cut off), and
+    # the figure as tall as the panels plus the legend's rows.
+    renderer = fig.canvas.get_renderer()
+    for ncol in range(len(labels), 0, -1):
+        legend = fig.legend(handles, labels, loc="outside lower center", fontsize=7, ncol=ncol, frameon=False)
+        if ncol == 1 or legend.get_window_extent(renderer).width <= 0.96 * fig.bbox.width:
+            break
+        legend.remove()
+    fig.set_figheight(3.2 + 0.15 * -(-len(labels) // ncol))
     fig.suptitle(title or "Training curves")
     return _save(fig, path)
+
+
+def _spread_y(ax, values) -> None:
+    """A log y axis for a metric whose positive values span orders of magnitude (a loss that starts
+    far above where it settles would squash the rest of the curve against zero); a symmetric log
+    axis, linear around zero, where some values are zero or negative (a policy-gradient loss beside
+    a cross-entropy)."""
+    positive = [v for v in values if v > 0]
+    if not positive or max(positive) <= 30 * min(positive):
+        return
+    if len(positive) == len(values):
+        ax.set_yscale("log")
+        return
+    # Linear below the decade of the smaller of: the zero-or-negative values' size, the low end
+    # of the positive ones (so a curve that settles low keeps its shape).
+    low = sorted(positive)[len(positive) // 20]
+    small = min(max(abs(v) for v in values if v <= 0) or low, low)
+    k0 = math.floor(math.log10(small))
+    ax.set_yscale("symlog", linthresh=10.0 ** k0, linscale=0.5)
+    # Ticks at 0 and at decades clear of the linear band (its edges' labels would run into 0's),
+    # every other decade when there are many.
+    top, bottom = math.log10(max(positive)), math.log10(-min(values)) if min(values) < 0 else k0
+    step = 2 if (top - k0) + (bottom - k0) > 5 else 1
+    ticks = [0.0] + [10.0 ** k for k in range(k0 + step, math.ceil(top) + 1, step)]
+    ticks += [-(10.0 ** k) for k in range(k0 + step, math.ceil(bottom) + 1, step)]
+    ax.yaxis.set_major_locator(FixedLocator(sorted(ticks)))
 
 
 def plot_stage_summary(summary: dict, path, title: str = "") -> Path | None:

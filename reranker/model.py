@@ -4,6 +4,7 @@ Everything downstream (SFT, conversion, decoding, RL) only assumes "a Hugging Fa
 full attention that accepts position_ids, a 4D additive mask and a DynamicCache", so a real local
 Qwen3 directory works unchanged in place of the small default.
 """
+import contextlib
 import copy
 from pathlib import Path
 
@@ -37,6 +38,22 @@ def build_model(vocab_size, size="cpu", pad_token_id=None, eos_token_id=None, bo
     return model.float()
 
 
+@contextlib.contextmanager
+def no_weight_bars():
+    """transformers' own progress bars ("Loading weights", "Writing model shards") off inside the
+    block: a local model of a few MB loads in milliseconds, and a bar per load and save floods the
+    pipeline's log. Scoped through transformers' tqdm hook, the previous hook back on exit (its
+    global `disable_progress_bar` would also silence the Hub's and every later bar); our own bars
+    (training steps, evaluation) do not go through that hook."""
+    from transformers.utils import logging as hf_logging
+
+    previous = hf_logging.set_tqdm_hook(lambda factory, args, kwargs: factory(*args, **{**kwargs, "disable": True}))
+    try:
+        yield
+    finally:
+        hf_logging.set_tqdm_hook(previous)
+
+
 def load_model(path, dtype=None, attn_implementation=None, device=None):
     """Load any local HF causal-LM directory (never touches the network)."""
     kwargs = dict(local_files_only=True)
@@ -44,7 +61,8 @@ def load_model(path, dtype=None, attn_implementation=None, device=None):
         kwargs["dtype"] = dtype
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    with no_weight_bars():
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     return model.to(device) if device is not None else model
 
 
@@ -52,7 +70,8 @@ def save_model(model, tokenizer, path):
     """save_pretrained (safetensors) into a sibling temp dir, then rename into place, so a crash
     never leaves a half-written model directory behind."""
     def save(tmp: Path) -> None:
-        model.save_pretrained(str(tmp), safe_serialization=True)
+        with no_weight_bars():
+            model.save_pretrained(str(tmp), safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
 

@@ -25,7 +25,7 @@ def test_report_rejects_a_malformed_row(tmp_path, capsys):
     assert not (tmp_path / "x.json").exists()
 
 
-@pytest.mark.parametrize("text, message", [("{oops", "not valid JSON"), ("[1, 2]", "expected a JSON object")])
+@pytest.mark.parametrize("text, message", [("{oops", "invalid JSON"), ("[1, 2]", "expected a JSON object")])
 def test_config_json_errors_name_the_flag(tmp_path, text, message):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("name: c\n")

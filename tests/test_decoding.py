@@ -6,21 +6,9 @@ from reranker.decoding import ar_decode, commit_confident, diffusion_decode
 from reranker.decoding.diffusion import block_step, prefill
 from reranker.decoding.forward import forward
 from reranker.masks import diffusion_training_mask, left_pad
-from reranker.model import SIZES, build_model
+from tests.tiny_decoder import EOS, MASK, PAD, model_for, prompts_for
 
 torch.set_num_threads(1)
-V, PAD, EOS, MASK = 40, 0, 1, 39
-
-
-def model_for(attn):
-    # a larger init makes the random model's distributions peaked: no near-ties in greedy tests
-    return build_model(V, dict(SIZES["tiny"], initializer_range=0.3), pad_token_id=PAD, eos_token_id=EOS,
-                       attn_implementation=attn).eval()
-
-
-def prompts_for(seed=0, lens=(5, 9, 1, 7)):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, MASK, (n,), generator=g).tolist() for n in lens]
 
 
 def frequent_token(model, prompts):

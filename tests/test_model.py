@@ -7,7 +7,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from reranker.convert import convert_to_diffusion, load_diffusion_config
-from reranker.model import SIZES, average_models, build_model, load_model, resize_for_tokenizer, save_model
+from reranker.model import (SIZES, average_models, build_model, load_model, no_weight_bars, resize_for_tokenizer,
+                            save_model)
 
 torch.set_num_threads(1)
 
@@ -112,3 +113,36 @@ def test_average_models_is_the_elementwise_mean_and_checks_shapes(tmp_path):
     assert not (tmp_path / "bad").exists()
     with pytest.raises(ValueError, match="at least two"):
         average_models(dirs[:1], tmp_path / "bad")
+
+
+def test_save_and_load_draw_no_transformers_bars(tmp_path, capfd):
+    """transformers draws "Writing model shards" / "Loading weights" bars on stderr for every
+    save_pretrained / from_pretrained; ours are silent, and its bars elsewhere are not."""
+    from transformers.utils import logging as hf_logging
+
+    save_model(build_model(40, "tiny"), tiny_tokenizer(), tmp_path / "m")
+    load_model(tmp_path / "m")
+    err = capfd.readouterr().err
+    assert "Writing model shards" not in err and "Loading weights" not in err
+    assert hf_logging.is_progress_bar_enabled()  # the global switch is not touched
+    list(hf_logging.tqdm(range(2), desc="a bar outside"))
+    assert "a bar outside" in capfd.readouterr().err
+
+
+def test_no_weight_bars_restores_the_previous_hook():
+    from transformers.utils import logging as hf_logging
+
+    seen = []
+
+    def record(factory, args, kwargs):
+        seen.append(kwargs["desc"])
+        return factory(*args, **kwargs)
+
+    previous = hf_logging.set_tqdm_hook(record)
+    try:
+        with no_weight_bars():
+            list(hf_logging.tqdm(range(2), desc="inside"))
+        list(hf_logging.tqdm(range(2), desc="after"))
+    finally:
+        hf_logging.set_tqdm_hook(previous)
+    assert seen == ["after"]

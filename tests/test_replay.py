@@ -3,20 +3,9 @@ import pytest
 import torch
 
 from reranker.decoding import diffusion_decode, replay_logits, replay_logprobs
-from reranker.model import SIZES, build_model
+from tests.tiny_decoder import EOS, MASK, PAD, model_for, prompts_for
 
 torch.set_num_threads(1)
-V, PAD, EOS, MASK = 40, 0, 1, 39
-
-
-def model_for(attn):
-    return build_model(V, dict(SIZES["tiny"], initializer_range=0.3), pad_token_id=PAD, eos_token_id=EOS,
-                       attn_implementation=attn).eval()
-
-
-def prompts_for(seed=0, lens=(5, 9, 1, 7)):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, MASK, (n,), generator=g).tolist() for n in lens]
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])

@@ -1,0 +1,18 @@
+"""A tiny random Qwen3 and prompts for the decoding tests (test_decoding, test_replay): the same
+vocabulary, special tokens and seeds, so both files test the decoders on the same model."""
+import torch
+
+from reranker.model import SIZES, build_model
+
+V, PAD, EOS, MASK = 40, 0, 1, 39
+
+
+def model_for(attn):
+    # a larger init makes the random model's distributions peaked: no near-ties in greedy tests
+    return build_model(V, dict(SIZES["tiny"], initializer_range=0.3), pad_token_id=PAD, eos_token_id=EOS,
+                       attn_implementation=attn).eval()
+
+
+def prompts_for(seed=0, lens=(5, 9, 1, 7)):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, MASK, (n,), generator=g).tolist() for n in lens]
