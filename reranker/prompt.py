@@ -22,11 +22,15 @@ class PromptProfile:
     title_words: int  # 0: no title text at all
     legend: bool  # explain the evidence fields once (costs ~45 tokens)
     max_name_chars: int  # cap on a category or brand name (rare brand names cost many tokens)
+    names: bool = True  # category and brand names on each line (False: SIDs and evidence only)
 
 
 PROFILES: dict[str, PromptProfile] = {
     "cpu": PromptProfile(max_history=8, title_words=0, legend=False, max_name_chars=24),
     "full": PromptProfile(max_history=20, title_words=8, legend=True, max_name_chars=40),
+    # For a model trained in minutes (the synthetic demo): the co-purchase scan reads only the
+    # evidence, so names and a long history are tokens the model pays for and does not use.
+    "compact": PromptProfile(max_history=2, title_words=0, legend=False, max_name_chars=0, names=False),
 }
 
 SYSTEM_PROMPT = (
@@ -55,6 +59,8 @@ def _text(value: str, max_chars: int, max_words: int = _MAX_WORDS) -> str:
 
 
 def _item_text(meta: ItemMeta, prof: PromptProfile) -> str:
+    if not prof.names:
+        return ""
     parts = []
     title_words = prof.title_words
     if title_words:
@@ -64,6 +70,10 @@ def _item_text(meta: ItemMeta, prof: PromptProfile) -> str:
     parts.append(_text(meta.leaf_category, prof.max_name_chars) or "no category")
     parts.append(_text(meta.brand, prof.max_name_chars) or "no brand")
     return ", ".join(parts)
+
+
+def _joined(sid: str, text: str) -> str:
+    return f"{sid} {text}" if text else sid
 
 
 def _yes(flag: bool) -> str:
@@ -152,7 +162,7 @@ def render_prompt_messages(
     lines = [f"History (oldest first, {len(shown)} of {len(history)}):"]
     # No space before a SID: it would cost one extra token per line (the space stands alone
     # next to an added token).
-    lines += [f"{sids.sid_string(i)} {_item_text(meta.get(i, empty), prof)}" for i in shown]
+    lines += [_joined(sids.sid_string(i), _item_text(meta.get(i, empty), prof)) for i in shown]
     if not shown:
         lines.append("none")
     header = "Candidates (retriever order)."
@@ -160,7 +170,7 @@ def render_prompt_messages(
         header += " " + evidence_legend(int(evidence[0].get("window", 1)))
     lines.append(header)
     for rank, cand in enumerate(candidates, start=1):
-        line = f"{rank}.{sids.sid_string(cand)} {_item_text(meta.get(cand, empty), prof)}"
+        line = f"{rank}." + _joined(sids.sid_string(cand), _item_text(meta.get(cand, empty), prof))
         if evidence is not None:
             line += "; " + format_evidence(evidence[rank - 1])
         lines.append(line)

@@ -113,6 +113,22 @@ def test_max_history_and_profiles(world):
         render_prompt_messages(history, ["nope"], sids, meta, None)
 
 
+def test_compact_profile_keeps_sids_and_evidence_only(world):
+    from reranker.prompt import parse_candidate_evidence
+
+    sids, meta = world["sids"], world["meta"]
+    _, history, cands, ev, _, _ = world["examples"][1]
+    cpu = render_prompt_messages(history, cands, sids, meta, ev)[1]["content"]
+    compact = render_prompt_messages(history, cands, sids, meta, ev, profile="compact")[1]["content"]
+    lines = compact.splitlines()
+    assert lines[0] == f"History (oldest first, {min(2, len(history))} of {len(history)}):"
+    assert lines[1:3] == [sids.sid_string(i) for i in history[-2:]]
+    assert lines[4] == f"1.{sids.sid_string(cands[0])}; cobought " + cpu.split("; cobought ", 1)[1].split("\n")[0]
+    assert meta[cands[0]].brand.replace("_", " ").split()[0] not in compact
+    # the rule traces read the evidence back from the prompt: it must parse the same
+    assert parse_candidate_evidence(compact, len(cands)) == parse_candidate_evidence(cpu, len(cands))
+
+
 def test_long_names_are_cut_at_word_boundaries():
     sids = SemanticIds({"h": (1, 1, 1, 0), "c": (2, 2, 2, 0)})
     meta = {"h": ItemMeta("", "Debra_Lynn_Professional_Products", ("Creams_&_Moisturizers",)),
