@@ -89,7 +89,7 @@ def _med(s):
 
 
 def _stat(s, digits=1) -> str:
-    """'median [min–max]' of a reranker.speed.stats dict (or a bare number)."""
+    """'median [min–max]' of a reranker.eval.speed.stats dict (or a bare number)."""
     if isinstance(s, dict):
         if s.get("median") is None:
             return "–"
@@ -170,7 +170,7 @@ def retrieval_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
 
 
 def baselines_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
-    """docs/results/rerank-baselines-<name>.json (reranker.baselines.run_baselines).
+    """docs/results/rerank-baselines-<name>.json (reranker.eval.baselines.run_baselines).
 
     Schema: {"test_users", "n_candidates", "n_boot", "methods" (required): {<method>: {"metrics":
     {"recall@1", "recall@3", "ndcg@3", "ndcg@5"}, "vs_retriever": {<metric>: {"diff", "ci_low",
@@ -186,7 +186,7 @@ def baselines_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
 
 
 def eval_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
-    """A `dgr2 eval --out ...` report (reranker.evaluate.evaluate): rerank-ar-<name>.json,
+    """A `dgr2 eval --out ...` report (reranker.eval.evaluate.evaluate): rerank-ar-<name>.json,
     diffusion-cft-<name>.json.
 
     Schema: {"n", "decoder", "tau", "block_size", "split", "recall@1", "recall@3", "ndcg@3",
@@ -276,7 +276,7 @@ def _speed_intro(r: dict) -> str:
 
 
 def speed_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
-    """docs/results/diffusion-speed-<name>.json (reranker.speed.run_speed_benchmark, `dgr2 speed`).
+    """docs/results/diffusion-speed-<name>.json (reranker.eval.speed.run_speed_benchmark, `dgr2 speed`).
 
     Schema (a "stats" is {"median", "min", "max", "q1", "q3", "n", "values"}):
     {"machine": {"cpu_count", "torch_threads", "torch_version", "load_average_start",
@@ -316,7 +316,7 @@ def speed_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
         out += ["", "Accuracy per τ: not measured in this file (`dgr2 speed` with `--data` measures it)."]
     else:
         a = r["accuracy"]
-        out += ["", f"Accuracy: `reranker.evaluate` on {_fmt(a.get('n'))} {a.get('split', 'test')} users per point "
+        out += ["", f"Accuracy: `reranker.eval.evaluate` on {_fmt(a.get('n'))} {a.get('split', 'test')} users per point "
                     "(greedy; batch size does not change the answers)."]
     fc = r.get("forward_cost")
     if fc and fc.get("rows"):
@@ -333,7 +333,7 @@ def speed_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
 
 
 def forward_cost_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
-    """docs/results/forward-cost-<name>.json (reranker.speed.run_forward_cost, `dgr2 forward-cost`).
+    """docs/results/forward-cost-<name>.json (reranker.eval.speed.run_forward_cost, `dgr2 forward-cost`).
 
     Schema: {"machine": {...}, "settings": {"context", "length", "model", "model_parameters"},
     "forward_cost": {"context", "iters", "rows": [{"batch_size", "one_token_ms": stats, "blocks":
@@ -375,7 +375,7 @@ def forward_cost_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str
 
 
 def train_cost_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
-    """docs/results/train-cost-<name>.json (reranker.speed.training_step_cost, `dgr2 train-cost`).
+    """docs/results/train-cost-<name>.json (reranker.eval.speed.training_step_cost, `dgr2 train-cost`).
 
     Schema: {"model", "machine": {...}, "batch_size", "length", "iters", "rows": [{"autocast",
     "seconds": stats}], "speedup"}

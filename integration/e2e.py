@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from reranker.metrics import paired_bootstrap, per_user
+from reranker.eval.metrics import paired_bootstrap, per_user
 
 from .config import retrieval_settings, section
 

@@ -50,12 +50,12 @@ def _step(name: str, i: int, n: int, msg: str) -> None:
 
 def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: str | None = None) -> dict:
     from candidate_gen.retrieve import run_retrieval
-    from reranker.baselines import run_baselines
-    from reranker.convert import convert_to_diffusion
-    from reranker.dataset import build_rerank_data
-    from reranker.init_model import init_model
+    from reranker.data.dataset import build_rerank_data
+    from reranker.diffusion.convert import convert_to_diffusion
+    from reranker.eval.baselines import run_baselines
     from reranker.stages.base import read_done
     from reranker.stages.pipeline import run_pipeline
+    from reranker.training.init_model import init_model
 
     from .config import retrieval_settings as _retrieval_settings
 
@@ -106,7 +106,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     stages = section(cfg, "stages")
     ar_specs = []
     if "copy_warmup" in stages:
-        # `sft` runs on copy warm-up examples first (reranker/copy_warmup.py explains why).
+        # `sft` runs on copy warm-up examples first (reranker/data/copy_warmup.py explains why).
         ar_specs += copy_warmup_specs(stages["copy_warmup"], data_dir, seed)
     n_warm = len(ar_specs)
     ar_specs += [{"name": s, "config": stages[s] or {}} for s in AR_STAGES if s in stages]
@@ -208,11 +208,11 @@ def warmup_label(i: int, n: int) -> str:
 
 def copy_warmup_specs(setting, data_dir: Path, seed: int) -> list[dict]:
     """Stage specs of the `copy_warmup` setting: one phase (a dict) or several run in order (a list).
-    Each phase is an `sft` run over copy examples; its `build` key picks them (reranker/copy_warmup.py:
+    Each phase is an `sft` run over copy examples; its `build` key picks them (reranker/data/copy_warmup.py:
     full_prompt, random_sids, straight = N lists, trace_style = a rule-scan style answering the real
     prompts, relabel_last_code, limit = first N lists), the rest are sft settings. The examples go to a
     file named after `build`, made once, so two phases never share a file by accident."""
-    from reranker.copy_warmup import build_copy_warmup
+    from reranker.data.copy_warmup import build_copy_warmup
 
     phases = setting if isinstance(setting, list) else [setting or {}]
     specs = []
@@ -278,8 +278,8 @@ def evaluate_rows(rows, data_dir: Path, ecfg: dict, eval_dir: Path) -> list[dict
     import numpy as np
 
     from reranker.engine import RerankEngine
-    from reranker.evaluate import evaluate, load_examples
-    from reranker.metrics import compare
+    from reranker.eval.evaluate import evaluate, load_examples
+    from reranker.eval.metrics import compare
 
     test_file = data_dir / f"{ecfg.get('split', 'test')}.jsonl"
     examples = load_examples(test_file, ecfg.get("limit"))
@@ -318,8 +318,8 @@ def measure_final_speed(ar_dir: Path, diff_dir: Path, data_dir: Path, scfg: dict
     measure_speed: same prompts, same threads, interleaved repeats, medians), at the evaluation's tau
     and decode settings. Read back when made from the same weights and settings."""
     from reranker.engine import RerankEngine
-    from reranker.evaluate import load_examples
-    from reranker.speed import speed_benchmark_from_engines
+    from reranker.eval.evaluate import load_examples
+    from reranker.eval.speed import speed_benchmark_from_engines
 
     opts = _decode_options(ecfg, "diffusion")
     settings = {k: scfg.get(k) for k in SPEED_KEYS}

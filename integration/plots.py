@@ -33,7 +33,7 @@ def _save(fig, path) -> Path:
 
 
 def _med(s):
-    """Median of a stats dict (reranker.speed.stats) or a bare number."""
+    """Median of a stats dict (reranker.eval.speed.stats) or a bare number."""
     if isinstance(s, dict):
         return s.get("median")
     return s

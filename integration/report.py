@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from candidate_gen.files import read_jsonl
-from reranker.metrics import compare, summarize
+from reranker.eval.metrics import compare, summarize
 from reranker.stages.base import read_done
 
 ROW_KEYS = ("n", "decoder", "tau", "block_size", "batch_size", "recall@1", "recall@3", "ndcg@3", "ndcg@5",
@@ -64,7 +64,7 @@ def stage_seconds(stage_dirs: dict[str, str]) -> dict[str, float | None]:
 def ar_report(final: dict, data_dir, before: dict | None = None, stage_dirs: dict[str, str] | None = None,
               n_boot: int = 2000, seed: int = 0) -> dict:
     """The final AR eval report plus CIs against every baseline of the data on the same users."""
-    from reranker.baselines import baseline_ranks
+    from reranker.eval.baselines import baseline_ranks
 
     ranks = np.asarray(final["ranks"])
     base = baseline_ranks(data_dir, seed=seed)

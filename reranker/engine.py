@@ -20,15 +20,15 @@ from pathlib import Path
 
 import torch
 
-from .answer import parse_ranking, permutation_or_fallback
-from .convert import load_diffusion_config
-from .decoding.ar import ar_decode
-from .decoding.diffusion import diffusion_decode
-from .decoding.forward import check_commit_rule
-from .evidence import CoPurchaseCounts, candidates_evidence
-from .prompt import render_prompt_messages, render_prompt_within_budget
-from .sid import SemanticIds
-from .tokenizer import IM_END, THINK_CLOSE, THINK_OPEN
+from reranker.data.evidence import CoPurchaseCounts, candidates_evidence
+from reranker.diffusion.ar_decoder import ar_decode
+from reranker.diffusion.convert import load_diffusion_config
+from reranker.diffusion.diffusion_decoder import diffusion_decode
+from reranker.diffusion.forward import check_commit_rule
+from reranker.text.answer import parse_ranking, permutation_or_fallback
+from reranker.text.prompt import render_prompt_messages, render_prompt_within_budget
+from reranker.text.sid import SemanticIds
+from reranker.text.tokenizer import IM_END, THINK_CLOSE, THINK_OPEN
 
 DECODERS = ("ar", "diffusion")
 
@@ -107,7 +107,7 @@ class RerankEngine:
         from candidate_gen.atomic import load_items
         from candidate_gen.split import train_sequences
 
-        from .evidence import item_meta_lookup
+        from reranker.data.evidence import item_meta_lookup
         from .model import load_model
 
         data_dir = Path(data_dir)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from reranker.decoding.ar import ar_decode
-from reranker.decoding.forward import forward
-from reranker.masks import block_causal_mask, pack_prompt_response, position_ids_for
-from reranker.rollouts import Sample, Scorer
+from reranker.diffusion.ar_decoder import ar_decode
+from reranker.diffusion.forward import forward
+from reranker.diffusion.masks import block_causal_mask, pack_prompt_response, position_ids_for
+from reranker.rl.rollouts import Sample, Scorer
 from reranker.stages.base import Stage, StageContext, StageResult
 from reranker.training import policy_optimization as PO
 

@@ -2,7 +2,7 @@
 
     loss = sum over response targets of  w_i * 1[y_i masked] * CE(y_i) / t   /   N
 
-(reranker.diffusion_loss: one [x_0 ; x_t] forward, t ~ U(eps, 1) per example), with w = λ_r on
+(reranker.diffusion.loss: one [x_0 ; x_t] forward, t ~ U(eps, 1) per example), with w = λ_r on
 reasoning tokens, λ_o on answer tokens and `fill_weight` on the EOS fill, N = response tokens
 (fill included) of the whole global batch. Responses are padded to whole blocks with EOS: the
 decoder always shows the model a full last block (mask tokens after the answer's EOS), so training
@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from reranker.decoding import diffusion_decode
-from reranker.diffusion_loss import diffusion_loss, sample_noise
-from reranker.masks import pack_prompt_response
+from reranker.diffusion import diffusion_decode
+from reranker.diffusion.loss import diffusion_loss, sample_noise
+from reranker.diffusion.masks import pack_prompt_response
 from reranker.stages.base import Stage, StageContext, StageResult
 from reranker.training import distributed as D
 from reranker.training.batches import token_ids

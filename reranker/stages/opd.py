@@ -5,7 +5,7 @@ One optimizer step, per prompt of the global batch:
               serving τ and block size, temperature 1.0), recording each token's commit step;
   2. teacher  the AR teacher scores exactly those tokens in ONE teacher-forced pass over prompt +
               response (AR shift: the logit at column t-1 predicts token t); its distribution at each
-              position is cached (top-k logits + log-sum-exp, reranker.distill, k = 64; k = 0: full);
+              position is cached (top-k logits + log-sum-exp, reranker.rl.distill, k = 64; k = 0: full);
   3. student  replay_logits re-scores each committed token on the canvas it was committed from,
               with gradients;
   4. loss     forward KL(teacher || student) averaged over the kept positions of the global batch
@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from reranker.decoding import DiffusionResult, diffusion_decode, replay_logits
-from reranker.decoding.forward import check_commit_rule, forward
-from reranker.distill import DIVERGENCES, TeacherLogits, cache_teacher, divergence
-from reranker.masks import block_causal_mask, pack_prompt_response, position_ids_for
+from reranker.diffusion import DiffusionResult, diffusion_decode, replay_logits
+from reranker.diffusion.forward import check_commit_rule, forward
+from reranker.diffusion.masks import block_causal_mask, pack_prompt_response, position_ids_for
+from reranker.rl.distill import DIVERGENCES, TeacherLogits, cache_teacher, divergence
 from reranker.stages.base import Stage, StageContext, StageResult
 from reranker.training import distributed as D
 from reranker.training.batches import token_ids

@@ -26,11 +26,11 @@ Positions never committed are never actions.
 """
 from __future__ import annotations
 
-from reranker.convert import load_diffusion_config
-from reranker.decoding.diffusion import diffusion_decode
-from reranker.decoding.forward import check_commit_rule
-from reranker.decoding.replay import replay_logprobs
-from reranker.rollouts import Sample, Scorer
+from reranker.diffusion.convert import load_diffusion_config
+from reranker.diffusion.diffusion_decoder import diffusion_decode
+from reranker.diffusion.forward import check_commit_rule
+from reranker.diffusion.replay import replay_logprobs
+from reranker.rl.rollouts import Sample, Scorer
 from reranker.stages.base import Stage, StageContext, StageResult
 from reranker.training import policy_optimization as PO
 
@@ -89,7 +89,7 @@ def make_diffusion_policy(model, scorer: Scorer, cfg: dict) -> DiffusionPolicy:
     info = load_diffusion_config(model)
     if info is None:
         raise ValueError("rl needs a block-diffusion model (config.diffusion); convert the AR model first "
-                         "(reranker.convert.convert_to_diffusion / dgr2 convert)")
+                         "(reranker.diffusion.convert.convert_to_diffusion / dgr2 convert)")
     return DiffusionPolicy(int(cfg["block_size"] or info["block_size"]), int(info["mask_token_id"]), scorer.eos_id,
                            scorer.pad_id, int(cfg["max_new_tokens"]), float(cfg["tau"]), float(cfg["temperature"]),
                            cfg["max_steps_per_block"], cfg["action_tokens"], cfg["replay_max_windows"],

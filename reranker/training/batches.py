@@ -75,7 +75,7 @@ def token_ids(tokenizer) -> tuple[int, int]:
 
 
 def _local_token_types(tokenizer, text: str) -> list[str]:
-    """Same rule as reranker.prompt.response_token_types: from the first </think> on, answer."""
+    """Same rule as reranker.text.prompt.response_token_types: from the first </think> on, answer."""
     close = text.find(THINK_CLOSE)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     if close < 0:
@@ -85,7 +85,7 @@ def _local_token_types(tokenizer, text: str) -> list[str]:
 
 def token_types(tokenizer, text: str) -> list[str]:
     try:
-        from reranker.prompt import response_token_types
+        from reranker.text.prompt import response_token_types
     except ImportError:
         return _local_token_types(tokenizer, text)
     return response_token_types(tokenizer, text)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from reranker.answer import parse_ranking
+from reranker.text.answer import parse_ranking
 
 from .batches import encode_examples, read_train_records
 
@@ -24,7 +24,7 @@ def candidate_sids(records, data_dir) -> list:
             out.append(list(r["candidate_sids"]))
         elif r.get("candidates") and path.is_file():
             if sids is None:
-                from reranker.sid import SemanticIds
+                from reranker.text.sid import SemanticIds
 
                 sids = SemanticIds.load(path)
             out.append([sids.sid_string(str(c)) for c in r["candidates"]])

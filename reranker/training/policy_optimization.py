@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from reranker.model import load_model
-from reranker.policy_gradient import group_advantages, policy_loss
-from reranker.rollouts import Scorer, collect, load_prompts, pad_samples, validate_policy
+from reranker.rl.policy_gradient import group_advantages, policy_loss
+from reranker.rl.rollouts import Scorer, collect, load_prompts, pad_samples, validate_policy
 
 from . import distributed as D
 from .batches import read_jsonl

@@ -57,7 +57,7 @@ def load_diffusion_model(ctx, block_size, dtype: str, note):
     conversion (the stages collect such lines until their logger exists)."""
     from transformers import AutoConfig
 
-    from reranker.convert import convert_to_diffusion, load_diffusion_config
+    from reranker.diffusion.convert import convert_to_diffusion, load_diffusion_config
 
     src = Path(ctx.input_dir)
     if load_diffusion_config(AutoConfig.from_pretrained(str(src), local_files_only=True)) is None:

@@ -1,0 +1,26 @@
+"""The diffusion heart: one sequence layout and mask rule (masks), the masked-diffusion loss of CFT
+(loss), AR -> block-diffusion conversion (convert), and the decoders that share the rule: AR, the
+B = 1 case and the teacher (ar_decoder), block diffusion, the student (diffusion_decoder), both over
+one forward helper and KV cache (forward), with trajectory replay for OPD / RL (replay) and the
+commit rules a parser offers (rules).
+
+Imports are lazy so `import reranker.diffusion.rules` stays cheap; `from reranker.diffusion import
+diffusion_decode` imports its module on first use. `reranker.diffusion.forward` is the forward-helper
+module (its function is `reranker.diffusion.forward.forward`).
+"""
+__all__ = ["ARResult", "ar_decode", "DiffusionResult", "Trajectory", "diffusion_decode",
+           "commit_confident", "pick_tokens", "replay_logits", "replay_logprobs"]
+
+
+def __getattr__(name):
+    if name in ("ARResult", "ar_decode"):
+        from .ar_decoder import ARResult, ar_decode
+    elif name in ("DiffusionResult", "Trajectory", "diffusion_decode"):
+        from .diffusion_decoder import DiffusionResult, Trajectory, diffusion_decode
+    elif name in ("commit_confident", "pick_tokens"):
+        from .forward import commit_confident, pick_tokens
+    elif name in ("replay_logits", "replay_logprobs"):
+        from .replay import replay_logits, replay_logprobs
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return locals()[name]

@@ -1,0 +1,139 @@
+"""Non-LM baselines on a built re-ranking test split: the numbers the language model must beat.
+
+* retriever: the incoming order (the floor every re-ranker is compared with);
+* random: a seeded random permutation per user;
+* copurchase_last: sort by how often other users bought the candidate right after the user's last
+  history item (training split, the user's own pairs excluded), ties by retriever order;
+* copurchase_recent_brand: sort by the counts after the last, second-to-last and third-to-last
+  history items, then the same-brand history count, compared in that order (lexicographic), ties by
+  retriever order. Its head is the pick of the "scan_brand" trace (reranker/data/retrace.py), so it is
+  the rule a model trained on those traces follows, applied without the LM;
+* learned_scorer: the rule teacher's LightGBM scorer alone (``<data_dir>/scorer``), no LM.
+
+Each gets Recall@1/@3 and NDCG@3/@5 and a paired bootstrap 95% CI of its difference with the
+retriever order (same users). ``run_baselines`` returns a dict for
+docs/results/rerank-baselines-<name>.json (``save_baselines``); ``baselines_table`` renders it as Markdown.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from candidate_gen.atomic import load_items
+from candidate_gen.files import atomic_write_text
+from candidate_gen.split import train_sequences
+from reranker.data.dataset import load_retrieval, load_split
+from reranker.data.evidence import item_meta_lookup
+from reranker.data.features import FEATURE_NAMES, FeatureContext
+from reranker.data.teachers.rule import LtrScorer
+from reranker.eval.metrics import compare, new_ranks, summarize
+
+_CP_LAST = FEATURE_NAMES.index("copurchase_last1")
+_RECENT_BRAND = [FEATURE_NAMES.index(f) for f in
+                 ("copurchase_last1", "copurchase_last2", "copurchase_last3", "brand_match_count")]
+
+
+def _order_by(values: np.ndarray) -> list[int]:
+    """Candidate indices by value, descending; ties keep retriever order."""
+    return [int(i) for i in np.argsort(-np.asarray(values, dtype=np.float64), kind="stable")]
+
+
+def _order_lexicographic(rows: np.ndarray) -> list[int]:
+    """Candidate indices by their feature tuples, descending, first column first; ties keep retriever order."""
+    keys = [tuple(float(v) for v in r) for r in np.asarray(rows)]
+    return sorted(range(len(keys)), key=lambda j: tuple(-v for v in keys[j]) + (j,))
+
+
+def _resolve_inputs(data_dir: Path, retrieval_dir, items_path):
+    """Explicit paths win; otherwise the ones recorded (relative to data_dir) in build_info.json."""
+    if retrieval_dir is not None and items_path is not None:
+        return Path(retrieval_dir), Path(items_path)
+    info_path = data_dir / "build_info.json"
+    if not info_path.is_file():
+        raise FileNotFoundError(f"{info_path}: not found; pass retrieval_dir and items_path explicitly")
+    info = json.loads(info_path.read_text(encoding="utf-8"))
+    return (Path(retrieval_dir) if retrieval_dir is not None else data_dir / info["retrieval_dir"],
+            Path(items_path) if items_path is not None else data_dir / info["items_path"])
+
+
+def baseline_permutations(rows, ctx: FeatureContext, scorer: LtrScorer | None, seed: int = 0) -> dict[str, list[list[int]]]:
+    X, groups = ctx.featurize(rows, desc="test features")
+    offsets = np.concatenate([[0], np.cumsum(groups)]).astype(int)
+    scores = scorer.predict(X) if scorer is not None else None
+    perms: dict[str, list[list[int]]] = {"retriever": [], "random": [], "copurchase_last": [],
+                                         "copurchase_recent_brand": []}
+    if scorer is not None:
+        perms["learned_scorer"] = []
+    rng = np.random.default_rng([int(seed), 17])
+    for i, row in enumerate(rows):
+        n = len(row["candidates"])
+        a, b = offsets[i], offsets[i + 1]
+        perms["retriever"].append(list(range(n)))
+        perms["random"].append([int(j) for j in rng.permutation(n)])
+        perms["copurchase_last"].append(_order_by(X[a:b, _CP_LAST]))
+        perms["copurchase_recent_brand"].append(_order_lexicographic(X[a:b][:, _RECENT_BRAND]))
+        if scorer is not None:
+            perms["learned_scorer"].append(_order_by(scores[a:b]))
+    return perms
+
+
+def test_permutations(data_dir, retrieval_dir=None, items_path=None, seed: int = 0):
+    """(test rows, {baseline name: permutation per row}) for ``data_dir``/test.jsonl."""
+    data_dir = Path(data_dir)
+    retrieval_dir, items_path = _resolve_inputs(data_dir, retrieval_dir, items_path)
+    rows = load_split(data_dir, "test")
+    if not rows:
+        raise ValueError(f"{data_dir / 'test.jsonl'}: no test examples")
+    for k, r in enumerate(rows, start=1):
+        if not isinstance(r.get("target_index"), int):
+            raise ValueError(f"{data_dir / 'test.jsonl'}:{k}: field 'target_index': expected an int, "
+                             f"got {r.get('target_index')!r}")
+    seqs, _ = load_retrieval(retrieval_dir)
+    ctx = FeatureContext(train_sequences(seqs), item_meta_lookup(load_items(items_path).to_frame()))
+    scorer = LtrScorer.load(data_dir / "scorer") if (data_dir / "scorer" / "model.txt").is_file() else None
+    return rows, baseline_permutations(rows, ctx, scorer, seed)
+
+
+def baseline_ranks(data_dir, retrieval_dir=None, items_path=None, seed: int = 0) -> dict[str, np.ndarray]:
+    """Per-user 0-based rank of the target under every baseline (for paired comparisons)."""
+    return _target_ranks(*test_permutations(data_dir, retrieval_dir, items_path, seed))
+
+
+def _target_ranks(rows, perms) -> dict[str, np.ndarray]:
+    targets = [r["target_index"] for r in rows]
+    return {name: new_ranks(p, targets) for name, p in perms.items()}
+
+
+def run_baselines(data_dir, retrieval_dir=None, items_path=None, n_boot: int = 2000, seed: int = 0) -> dict:
+    """Baselines on ``data_dir``/test.jsonl (built by reranker.data.dataset.build_rerank_data)."""
+    rows, perms = test_permutations(data_dir, retrieval_dir, items_path, seed)
+    ranks = _target_ranks(rows, perms)
+    floor = ranks["retriever"]
+    methods = {name: {"metrics": summarize(r),
+                      "vs_retriever": compare(floor, r, n_boot=n_boot, seed=seed) if name != "retriever" else None}
+               for name, r in ranks.items()}
+    return {"test_users": len(rows), "n_candidates": len(rows[0]["candidates"]), "n_boot": n_boot, "seed": seed,
+            "methods": methods}
+
+
+def baselines_table(result: dict) -> str:
+    """Markdown table: metric (difference vs retriever [95% CI])."""
+    cols = ("recall@1", "recall@3", "ndcg@3", "ndcg@5")
+    lines = ["| method | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for name, m in result["methods"].items():
+        cells = []
+        for c in cols:
+            cell = f"{m['metrics'][c]:.4f}"
+            if m["vs_retriever"]:
+                d = m["vs_retriever"][c]
+                cell += f" ({d['diff']:+.4f} [{d['ci_low']:+.4f}, {d['ci_high']:+.4f}])"
+            cells.append(cell)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def save_baselines(result: dict, path) -> None:
+    """Write the result as JSON (atomically), e.g. docs/results/rerank-baselines-<name>.json."""
+    atomic_write_text(path, json.dumps(result, indent=2) + "\n")

@@ -1,0 +1,154 @@
+"""`dgr2 pipeline` end to end on tiny synthetic data and tiny models, and its skip-when-done."""
+from pathlib import Path
+
+import pytest
+
+from integration.pipeline import format_summary, run_full_pipeline
+
+TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 16, "intermediate_size": 64, "max_position_embeddings": 1024}
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory, tiny_catalog):
+    out = tmp_path_factory.mktemp("pipe") / "out"
+    return {
+        "name": "tiny", "seed": 0, "out": str(out),
+        "data": {"dir": str(tiny_catalog)},
+        "retrieval": {"crossfit_folds": 2, "sasrec": {"epochs": 1, "hidden_size": 16, "inner_size": 32, "n_layers": 1,
+                                                      "n_heads": 1, "train_batch_size": 256,
+                                                      "MAX_ITEM_LIST_LENGTH": 20}},
+        "rerank_data": {"n_selection_users": 60, "tokenizer_vocab": 500, "max_train_examples": 40},
+        "model": {"size": TINY},
+        "convert": {"block_size": 8},
+        "stages": {
+            "copy_warmup": {"epochs": 1, "batch_size": 8},
+            "sft": {"epochs": 1, "batch_size": 8, "max_valid_examples": 8},
+            "ar_rl": {"steps": 1, "prompts_per_step": 1, "group_size": 2, "max_valid_examples": 4,
+                      "max_new_tokens": 16, "max_draw_rounds": 1},
+            "cft": {"epochs": 1, "batch_size": 8, "max_valid_examples": 8, "decode_examples": 2},
+            "opd": {"max_steps": 1, "batch_size": 1, "group_size": 2, "max_new_tokens": 16, "eval_examples": 2,
+                    "max_valid_examples": 4},
+            "rl": {"steps": 1, "prompts_per_step": 1, "group_size": 2, "max_valid_examples": 4,
+                   "max_new_tokens": 16, "max_draw_rounds": 1},
+        },
+        "eval": {"limit": 6, "batch_size": 3, "max_new_tokens": 16, "n_boot": 50},
+        "speed": {"n_prompts": 2, "repeats": 1, "warmup": 0},
+    }
+
+
+def test_pipeline_runs_every_stage_then_skips(config, capsys):
+    summary = run_full_pipeline(config)
+    names = [r["name"] for r in summary["rows"]]
+    assert names == ["retriever order", "AR GR2 (sft)", "AR GR2", "naive conversion", "+CFT", "+CFT+OPD",
+                     "+CFT+OPD+RL"]
+    for row in summary["rows"][1:]:
+        assert 0.0 <= row["recall@1"] <= 1.0 and 0.0 <= row["valid_rate"] <= 1.0
+        assert row["tokens_per_second"] > 0
+    assert "retriever order" in format_summary(summary)
+    assert list(summary["stage_wall_seconds"]) == ["copy_warmup", "sft", "ar_rl", "cft", "opd", "rl"]
+    assert (Path(config["out"]) / "rerank_data" / "copy_warmup.jsonl").is_file()
+    sp = summary["speed"]
+    assert sp["batch_size"] == 1 and sp["tau"] == 0.9 and sp["batch1_speedup"] > 0 and sp["repeats"] == 1
+    assert "side by side at batch 1" in format_summary(summary)
+    capsys.readouterr()
+    again = run_full_pipeline(config)
+    log = capsys.readouterr().out
+    assert "retrieval: up to date, skipped" in log and "data: up to date, skipped" in log
+    assert [r["recall@1"] for r in again["rows"]] == [r["recall@1"] for r in summary["rows"]]
+    # Training stages were skipped too: the stage outputs carry the first run's wall-clock.
+    assert again["stage_wall_seconds"] == summary["stage_wall_seconds"]
+    assert "skipped" in log
+    # and every evaluation and the speed run were read back, not decoded again
+    assert log.count("up to date, skipped") >= 2 + len(summary["rows"]) - 1 + 1, log
+    assert "eval +CFT+OPD+RL: up to date, skipped" in log and "speed: up to date, skipped" in log
+    assert again["speed"] == sp
+
+
+def test_copy_warmup_phases_build_their_own_files(tmp_path):
+    import json
+
+    from integration.pipeline import copy_warmup_specs, warmup_label
+    from tests.reranker.data.test_copy_warmup import SIDS
+
+    rows = [{"candidate_sids": SIDS, "prompt_messages": [{"role": "user", "content": "x\nRank all 10."}],
+             "assistant": "y"} for _ in range(3)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    specs = copy_warmup_specs([{"build": {"straight": 5}, "max_steps": 7},
+                               {"build": {"full_prompt": True, "random_sids": True}, "lr": 1e-3}], tmp_path, 0)
+    assert [s["id"] for s in specs] == ["00_copy_warmup", "01_copy_warmup"]
+    assert [s["config"]["train_file"] for s in specs] == ["copy_warmup-straight5.jsonl",
+                                                          "copy_warmup-full_prompt-random_sids.jsonl"]
+    assert specs[0]["config"]["max_steps"] == 7 and "build" not in specs[0]["config"]
+    assert len((tmp_path / "copy_warmup-straight5.jsonl").read_text().splitlines()) == 5
+    assert copy_warmup_specs({"epochs": 1}, tmp_path, 0)[0]["config"]["train_file"] == "copy_warmup.jsonl"
+    assert [warmup_label(i, 2) for i in range(2)] == ["copy_warmup_1", "copy_warmup_2"]
+    (spec,) = copy_warmup_specs({"build": {"random_sids": True, "limit": 2}}, tmp_path, 0)
+    assert len((tmp_path / spec["config"]["train_file"]).read_text().splitlines()) == 2
+    with pytest.raises(ValueError, match=r"copy_warmup\[0\].build: unknown key\(s\) \['shuffle'\]"):
+        copy_warmup_specs({"build": {"shuffle": True}}, tmp_path, 0)
+    with pytest.raises(ValueError, match=r"copy_warmup\[1\]: expected a mapping"):
+        copy_warmup_specs([{}, "fast"], tmp_path, 0)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_readme_quick_start_commands_work_on_what_the_pipeline_wrote(config):
+    """The README's quick start, run as written against a pipeline run's output directory
+    (`artifacts/demo` replaced by the tiny run's), the same way the RecBole snippet is tested."""
+    import json
+    import re
+    import shlex
+    import subprocess
+    import sys
+    import time
+
+    run_full_pipeline(config)  # skipped when done
+    out = Path(config["out"])
+    for name in ("teacher", "student"):
+        assert (out / "models" / name / "config.json").is_file(), name
+    text = Path(__file__).resolve().parents[2].joinpath("README.md").read_text()
+    block = re.search(r"<!-- quickstart -->\n```bash\n(.*?)```", text, re.S).group(1)
+    port = str(_free_port())
+    bin_dir = Path(sys.executable).parent
+    lines = [ln.split("#")[0].strip() for ln in block.splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith((". ", "source "))]
+    assert any(ln.startswith("dgr2 serve") for ln in lines) and any("client rerank" in ln for ln in lines)
+    server = None
+    outputs = []
+    try:
+        for ln in lines:
+            ln = ln.replace("artifacts/demo", str(out)).replace("50051", port)
+            if ln.startswith("kill"):
+                server.terminate()
+                assert server.wait(timeout=30) == 0
+                server = None
+                continue
+            background = ln.endswith("&")
+            argv = shlex.split(ln.rstrip("&").strip())
+            argv[0] = str(bin_dir / argv[0])
+            if background:
+                server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                health = [str(bin_dir / "dgr2"), "client", "health", "--target", f"127.0.0.1:{port}", "--timeout", "2"]
+                deadline = time.time() + 120
+                while subprocess.run(health, capture_output=True).returncode != 0:
+                    assert server.poll() is None, server.stderr.read()
+                    assert time.time() < deadline, "server did not become healthy in 120 s"
+                    time.sleep(0.5)
+                continue
+            res = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+            assert res.returncode == 0, f"{ln}\n{res.stdout}\n{res.stderr}"
+            outputs.append((ln, res.stdout))
+    finally:
+        if server is not None:
+            server.kill()
+    answers = [json.loads(o) for ln, o in outputs if "client rerank" in ln]
+    assert answers and all(len(a["items"]) == len(json.loads(
+        (out / "rerank_data" / "test.jsonl").read_text().splitlines()[0])["candidates"]) for a in answers)
+    assert any("Recall@1" in o or "recall@1" in o for ln, o in outputs if " eval " in ln)

@@ -1,0 +1,199 @@
+"""AR decoder == HF generate; block diffusion with B = 1 == AR; cached block step == training mask."""
+import pytest
+import torch
+
+from reranker.diffusion import ar_decode, commit_confident, diffusion_decode
+from reranker.diffusion.diffusion_decoder import block_step, prefill
+from reranker.diffusion.forward import forward
+from reranker.diffusion.masks import diffusion_training_mask, left_pad
+from tiny_decoder import EOS, MASK, PAD, model_for, prompts_for
+
+torch.set_num_threads(1)
+
+
+def frequent_token(model, prompts):
+    """A token the random model emits often: used as EOS so that some rows stop early."""
+    out = ar_decode(model, prompts, 12, eos_token_id=-1).tokens
+    return torch.tensor(sum((t[2:] for t in out), [])).mode().values.item()
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_ar_greedy_matches_generate(attn):
+    model, prompts = model_for(attn), prompts_for()
+    eos = frequent_token(model, prompts)
+    res = ar_decode(model, prompts, 16, eos_token_id=eos, pad_token_id=PAD)
+    ids, plen = left_pad(prompts, PAD)
+    attn_mask = (torch.arange(ids.shape[1])[None] >= (ids.shape[1] - plen)[:, None]).long()
+    gen = model.generate(input_ids=ids, attention_mask=attn_mask, do_sample=False, max_new_tokens=16,
+                         pad_token_id=PAD, eos_token_id=eos)[:, ids.shape[1]:]
+    assert any(len(t) < 16 for t in res.tokens)  # EOS did stop some row
+    for row, ref in zip(res.tokens, gen.tolist()):
+        assert row == ref[:len(row)]
+        assert row[-1] == eos or len(row) == 16
+    assert all(len(lp) == len(t) and (lp <= 0).all() for lp, t in zip(res.logprobs, res.tokens))
+
+
+def test_ar_sampling_is_seeded():
+    model, prompts = model_for("sdpa"), prompts_for()
+    a = ar_decode(model, prompts, 8, EOS, temperature=0.8, top_p=0.9, generator=torch.Generator().manual_seed(5))
+    b = ar_decode(model, prompts, 8, EOS, temperature=0.8, top_p=0.9, generator=torch.Generator().manual_seed(5))
+    assert a.tokens == b.tokens and all(torch.equal(x, y) for x, y in zip(a.logprobs, b.logprobs))
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_block_size_one_reproduces_ar(attn):
+    model, prompts = model_for(attn), prompts_for(1)
+    eos = frequent_token(model, prompts)
+    ar = ar_decode(model, prompts, 14, eos_token_id=eos)
+    dd = diffusion_decode(model, prompts, 14, 1, MASK, eos, tau=0.9)
+    assert dd.tokens == ar.tokens
+    for tr, lp in zip(dd.trajectories, ar.logprobs):
+        torch.testing.assert_close(tr.logprobs[:tr.length], lp, atol=1e-5, rtol=0)
+        assert (tr.steps[:tr.length] == 0).all()
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_cached_block_step_equals_training_forward(attn):
+    """Prefill + (fused) clean-window writes + one noisy step == the [clean ; noisy] training forward,
+    also when only some columns' logits are asked for."""
+    model = model_for(attn)
+    B, n = 4, 3
+    prompts = prompts_for(2, (6, 3))
+    g = torch.Generator().manual_seed(3)
+    y = torch.randint(3, MASK, (2, n * B), generator=g)
+    hide = torch.rand(2, n * B, generator=g) < 0.5
+    ids, plen = left_pad(prompts, PAD)
+    P = ids.shape[1]
+    clean = torch.cat([ids, y[:, :-1]], 1)
+    noisy = clean[:, P - 1:].clone()
+    noisy[hide & (torch.arange(n * B) % B != 0)] = MASK
+    mask, pos = diffusion_training_mask(plen, torch.tensor([n * B] * 2), B, 1)
+    with torch.no_grad():
+        ref = forward(model, torch.cat([clean, noisy], 1), pos, mask)[:, P - 1 + n * B:]
+        cache, cblk, cvalid, _ = prefill(model, ids, plen)
+        pending = None
+        for k in range(n):
+            wpos = pos[:, P - 1 + k * B:P - 1 + (k + 1) * B]
+            # blocks 1 and 2 (fused with the clean write) ask for some columns' logits only
+            keep = None if k == 0 else torch.tensor([1, 3] if k == 1 else [2])
+            logits, cblk, cvalid = block_step(model, cache, cblk, cvalid, noisy[:, k * B:(k + 1) * B], wpos,
+                                              P - 1 + k, pending, keep=keep)
+            want = ref[:, k * B:(k + 1) * B]
+            torch.testing.assert_close(logits, want if keep is None else want[:, keep], atol=1e-5, rtol=0)
+            pending = (clean[:, P - 1 + k * B:P - 1 + (k + 1) * B], wpos, P - 1 + k)
+            assert cache.get_seq_length() == P - 1 + k * B
+
+
+def test_commit_confident():
+    conf = torch.tensor([[0.95, 0.2, 0.91, 0.5], [0.1, 0.3, 0.2, 0.99], [0.5, 0.6, 0.7, 0.8]])
+    elig = torch.tensor([[True, True, True, True], [True, True, True, False], [False] * 4])
+    out = commit_confident(conf, elig, 0.9)
+    assert out.tolist() == [[True, False, True, False], [False, True, False, False], [False] * 4]
+    assert commit_confident(conf, elig, 0.9, force_all=True).tolist() == elig.tolist()
+
+
+def test_diffusion_decoder_bookkeeping():
+    model, prompts = model_for("sdpa"), prompts_for(4)
+    eos = frequent_token(model, prompts)
+    B, max_new = 4, 15
+    res = diffusion_decode(model, prompts, max_new, B, MASK, eos, tau=1.1)  # tau > 1: one commit per step
+    assert all(s == min(B, max_new - i * B) for spb in res.steps_per_block for i, s in enumerate(spb)
+               if i < len(spb) - 1)
+    for toks, tr in zip(res.tokens, res.trajectories):
+        assert len(toks) == tr.length <= max_new and (toks[-1] == eos or len(toks) == max_new)
+        assert eos not in toks[:-1]
+        assert torch.equal(tr.tokens[:tr.length], torch.tensor(toks))
+        assert tr.committed[:tr.length].all() and len(tr.tokens) % B == 0
+        for k in range(len(tr.tokens) // B):  # one commit per step: steps form a permutation prefix
+            st = tr.steps[k * B:(k + 1) * B]
+            assert sorted(st[st >= 0].tolist()) == list(range(int((st >= 0).sum())))
+    assert res.n_forward == 1 + res.n_steps
+    capped = diffusion_decode(model, prompts, max_new, B, MASK, eos, tau=1.1, max_steps_per_block=2)
+    assert max(max(s) for s in capped.steps_per_block) <= 2
+    sampled = diffusion_decode(model, prompts, max_new, B, MASK, eos, tau=0.5, temperature=1.0,
+                               generator=torch.Generator().manual_seed(0))
+    again = diffusion_decode(model, prompts, max_new, B, MASK, eos, tau=0.5, temperature=1.0,
+                             generator=torch.Generator().manual_seed(0))
+    assert sampled.tokens == again.tokens
+
+
+def test_prefix_commit_rule():
+    conf = torch.tensor([[0.5, 0.95, 0.2, 0.99], [0.95, 0.91, 0.3, 0.99], [0.1, 0.2, 0.3, 0.4], [0.2, 0.99, 0.1, 0.9]])
+    elig = torch.tensor([[True] * 4, [True] * 4, [False] * 4, [False, True, True, True]])
+    out = commit_confident(conf, elig, 0.9, rule="prefix")
+    # row 0: the leftmost (unsure) one is forced, then the sure run after it, up to the unsure third;
+    # row 1: a sure run from the left; row 3: committed positions do not stop the run (its first is done)
+    assert out.tolist() == [[True, True, False, False], [True, True, False, False], [False] * 4,
+                            [False, True, False, False]]
+    assert commit_confident(conf, elig, 0.9, force_all=True, rule="prefix").tolist() == elig.tolist()
+    with pytest.raises(ValueError, match="commit rule"):
+        commit_confident(conf, elig, 0.9, rule="left")
+
+
+def test_held_positions_commit_only_when_a_step_must():
+    conf = torch.tensor([[0.5, 0.95, 0.97, 0.99], [0.95, 0.2, 0.97, 0.3]])
+    elig = torch.ones(2, 4, dtype=torch.bool)
+    hold = torch.tensor([[False, False, True, False], [True, False, True, False]])
+    # prefix: a held position stops the confident run unless it is the leftmost (row 1's first)
+    out = commit_confident(conf, elig, 0.9, rule="prefix", hold=hold)
+    assert out.tolist() == [[True, True, False, False], [True, False, False, False]]
+    # confidence: held positions drop out of the sure set but can still be the forced best one
+    out = commit_confident(conf, elig, 0.9, hold=hold)
+    assert out.tolist() == [[False, True, False, True], [False, False, True, False]]
+    assert commit_confident(conf, elig, 0.9, force_all=True, hold=hold).tolist() == elig.tolist()
+
+
+def _committed_with_eos_before_it(tr, B=4):
+    """Was some token before the row's last (EOS) position, in its block, committed in the EOS's step?"""
+    end = tr.length - 1
+    start = (end // B) * B
+    return bool((tr.steps[start:end] == tr.steps[end]).any())
+
+
+def test_hold_eos_never_ends_a_row_beside_other_commits():
+    """With hold_eos and the prefix rule, no token before an ending EOS in its block was committed in
+    the EOS's step: the EOS saw its whole left context (checked with a frequent token as EOS, so that rows do end; what
+    a step commits after an EOS is discarded). B = 1 is still AR."""
+    model, prompts = model_for("sdpa"), prompts_for(4)
+    eos = frequent_token(model, prompts)
+    ar = ar_decode(model, prompts, 14, eos_token_id=eos)
+    assert diffusion_decode(model, prompts, 14, 1, MASK, eos, tau=0.9, commit_rule="prefix",
+                            hold_eos=True).tokens == ar.tokens
+    for rule in ("prefix",):  # under "confidence" a held EOS can still be a step's one forced commit
+        free = diffusion_decode(model, prompts, 16, 4, MASK, eos, tau=0.05, commit_rule=rule)
+        held = diffusion_decode(model, prompts, 16, 4, MASK, eos, tau=0.05, commit_rule=rule, hold_eos=True)
+        ended = 0
+        for tr in held.trajectories:
+            if tr.length and int(tr.tokens[tr.length - 1]) == eos and tr.length < 16:
+                ended += 1
+                assert not _committed_with_eos_before_it(tr), (rule, tr.steps)
+        assert ended > 0  # the check above ran
+        # without the hold, the low threshold commits an EOS beside tokens before it somewhere
+        assert any(_committed_with_eos_before_it(tr) for tr in free.trajectories if tr.length < 16), rule
+
+
+def test_prefix_rule_commits_left_to_right():
+    """Under the prefix rule every block fills left to right (steps never decrease along a block), B = 1
+    is still AR, and a threshold above 1 commits one token per step, exactly AR's order."""
+    model, prompts = model_for("sdpa"), prompts_for(4)
+    eos = frequent_token(model, prompts)
+    ar = ar_decode(model, prompts, 14, eos_token_id=eos)
+    assert diffusion_decode(model, prompts, 14, 1, MASK, eos, tau=0.9, commit_rule="prefix").tokens == ar.tokens
+    one = diffusion_decode(model, prompts, 14, 4, MASK, eos, tau=1.1, commit_rule="prefix")
+    for tr in one.trajectories:
+        for k in range(len(tr.tokens) // 4):
+            st = tr.steps[k * 4:(k + 1) * 4]
+            st = st[st >= 0].tolist()
+            assert st == list(range(len(st)))
+    res = diffusion_decode(model, prompts, 14, 4, MASK, eos, tau=0.3, commit_rule="prefix")
+    for tr in res.trajectories:
+        for k in range(len(tr.tokens) // 4):
+            st = tr.steps[k * 4:(k + 1) * 4]
+            st = st[st >= 0].tolist()
+            assert st == sorted(st)
+    with pytest.raises(ValueError, match="commit rule"):
+        diffusion_decode(model, prompts, 4, 4, MASK, eos, commit_rule="nope")
+    from reranker.engine import DecodeOptions
+
+    with pytest.raises(ValueError, match="commit_rule must be one of"):
+        DecodeOptions(decoder="diffusion", commit_rule="nope").validate()

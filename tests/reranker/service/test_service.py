@@ -1,0 +1,516 @@
+"""The gRPC service: real tiny engine for the decode path, a slow fake only for queue/deadline/drain timing."""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from proto.diffusion_gr2.v1 import reranker_pb2 as pb
+from reranker.engine import RerankEngine, RerankRequest, RerankResult
+from reranker.service.client import RerankerClient, client_main, rerank_request
+from reranker.service.server import BackgroundServer, ServerConfig, serve
+from reranker.service.validation import ServiceLimits
+
+torch.set_num_threads(1)
+ITEMS = [f"i{k:02d}" for k in range(30)]
+REPO = Path(__file__).resolve().parents[3]
+
+
+# ---- a real tiny model + re-ranking data directory on disk ------------------------------------
+def make_service_dirs(root: Path) -> dict:
+    """model/ (tiny random Qwen3 + tokenizer), diffusion/ (converted), data/ (sids, build_info),
+    retrieval/ (sequences.json) and items.item: everything RerankEngine.load reads."""
+    from reranker.diffusion.convert import convert_to_diffusion
+    from reranker.model import build_model, save_model
+    from reranker.text.prompt import render_assistant
+    from reranker.text.sid import build_semantic_ids
+    from reranker.text.tokenizer import build_tokenizer
+
+    rng = np.random.default_rng(0)
+    root.mkdir(parents=True, exist_ok=True)
+    rows = ["item_id:token\ttitle:token_seq\tbrand:token\tcategories:token_seq"]
+    rows += [f"{it}\tThing {k}\tBrand{k % 4}\tBeauty Leaf{k % 5}" for k, it in enumerate(ITEMS)]
+    (root / "items.item").write_text("\n".join(rows) + "\n")
+    seqs = {f"u{u}": [ITEMS[(u * 7 + 3 * k) % 30] for k in range(8)] for u in range(40)}
+    (root / "retrieval").mkdir(exist_ok=True)
+    (root / "retrieval" / "sequences.json").write_text(json.dumps(seqs))
+    sids = build_semantic_ids(rng.normal(size=(30, 8)).astype(np.float32), ITEMS, codebook_size=4)
+    (root / "data").mkdir(exist_ok=True)
+    sids.save(root / "data" / "sids.json")
+    (root / "data" / "build_info.json").write_text(json.dumps({
+        "retrieval_dir": "../retrieval", "items_path": "../items.item", "copurchase_window": 1,
+        "profile": "cpu", "max_prompt_tokens": 4096}))
+    corpus = [render_assistant("brand match and cobought evidence", [sids.sid_string(i) for i in ITEMS[:10]])] * 5
+    tok = build_tokenizer(corpus + [f"History Candidates retriever order cobought brand category {t}" for t in ITEMS],
+                          vocab_size=400)
+    model = build_model(len(tok), size="tiny", pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0)
+    save_model(model, tok, root / "model")
+    convert_to_diffusion(root / "model", root / "diffusion", block_size=4)
+    return {"root": root, "model": root / "model", "diffusion": root / "diffusion", "data": root / "data",
+            "seqs": seqs}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return make_service_dirs(tmp_path_factory.mktemp("service"))
+
+
+@pytest.fixture(scope="module")
+def engine(dirs):
+    return RerankEngine.load(dirs["diffusion"], dirs["data"])  # converted: serves both decoders
+
+
+def limits(**kw):
+    return ServiceLimits(**{"max_new_tokens": 24, **kw})
+
+
+def config(**kw):
+    lim = kw.pop("limits", None) or limits()
+    return ServerConfig(port=0, limits=lim, **kw)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with BackgroundServer(engine, config(max_batch=4, max_wait_ms=100, limits=limits(max_history=6))) as srv:
+        srv.warmed.result(120)
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with RerankerClient(server.target, timeout=60) as c:
+        yield c
+
+
+def code_of(call) -> tuple[grpc.StatusCode, str]:
+    try:
+        call()
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+    return grpc.StatusCode.OK, ""
+
+
+# ---- a slow fake engine: only for queue / deadline / drain timing -----------------------------
+class SlowEngine:
+    """Sleeps `max_new_tokens` x step_s in steps, calling a real nn.Module each step so the server's
+    abandon hook can stop it between "forward passes" as it does on the real model."""
+
+    def __init__(self, step_s: float = 0.01):
+        self.model = torch.nn.Identity()
+        self.sids = SimpleNamespace(item_ids=ITEMS)
+        self.diffusion = None
+        self.step_s = step_s
+        self.gate = threading.Event()
+        self.gate.set()
+        self.started, self.finished = [], []
+        self.forwards = 0
+
+    def known(self, item):
+        return item in ITEMS
+
+    def rerank(self, requests, options):
+        self.gate.wait(30)
+        self.started.append([r.user for r in requests])
+        for _ in range(options.max_new_tokens):
+            self.model(torch.zeros(1))
+            self.forwards += 1
+            time.sleep(self.step_s)
+        self.finished.append([r.user for r in requests])
+        return [RerankResult(list(range(len(r.candidates)))[::-1], True, False, None, "slow", "", 1, 1, 0.0)
+                for r in requests]
+
+
+def slow_config(**kw):
+    return config(limits=limits(max_new_tokens=1000), **kw)  # max_new_tokens = the fake's sleep steps
+
+
+def slow_request(user, steps, **kw):
+    return rerank_request(ITEMS[:3], ["i10"], user_id=user,
+                          options=pb.DecodeOptions(max_new_tokens=steps, **kw))
+
+
+# ---- tests ------------------------------------------------------------------------------------
+def test_rerank_real_engine_ar_and_diffusion(client):
+    for decoder in ("ar", "diffusion"):
+        resp = client.rerank(ITEMS[:10], history=ITEMS[20:23], scores=[1.0 - k / 10 for k in range(10)],
+                             user_id="u1", decoder=decoder, tau=0.8, block_size=4)
+        assert sorted(it.previous_rank for it in resp.items) == list(range(1, 11))
+        assert [it.new_rank for it in resp.items] == list(range(1, 11))
+        assert resp.fallback == (not resp.valid)
+        if resp.fallback:  # a random model: the retriever order comes back
+            assert [it.item_id for it in resp.items] == ITEMS[:10] and resp.failure
+        assert resp.items[0].score == pytest.approx(1.0) and resp.reasoning == ""
+        st = resp.stats
+        assert st.decoder == decoder and 0 < st.generated_tokens <= 24 and st.forward_passes >= 1
+        assert st.decode_ms > 0 and st.queue_ms >= 0 and st.batch_size == 1
+        assert resp.history_used == 3 and not resp.history_truncated
+
+
+def test_history_truncation_and_top_k(client):
+    resp = client.rerank(ITEMS[:5], history=ITEMS[10:20] + ["new-item"], top_k=2, max_new_tokens=4)
+    assert resp.history_truncated and resp.history_used == 6 and resp.history_unknown == 1
+    assert len(resp.items) == 2
+
+
+def test_valid_answer_is_reranked_with_reasoning(dirs):
+    from reranker.text.prompt import render_assistant
+
+    eng = RerankEngine.load(dirs["model"], dirs["data"])
+    order = [2, 0, 1]
+    text = render_assistant("brand match", [eng.sids.sid_string(ITEMS[i]) for i in order]) + "<|im_end|>"
+    ids = eng.tokenizer(text, add_special_tokens=False)["input_ids"]
+    eng.decode = lambda prompts, options: ([ids for _ in prompts], 1, None)  # this instance only
+    with BackgroundServer(eng, config()) as srv, RerankerClient(srv.target) as c:
+        srv.warmed.result(60)
+        resp = c.rerank(ITEMS[:3], return_reasoning=True)
+        assert resp.valid and not resp.fallback and resp.reasoning == "brand match"
+        assert [(it.item_id, it.previous_rank, it.new_rank) for it in resp.items] == [
+            ("i02", 3, 1), ("i00", 1, 2), ("i01", 2, 3)]
+        code, msg = code_of(lambda: c.rerank(ITEMS[:3], decoder="diffusion"))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("options.decoder: diffusion needs")
+
+
+def test_micro_batching_groups_same_options(server):
+    with RerankerClient(server.target) as c, ThreadPoolExecutor(6) as pool:
+        same = [pool.submit(c.rerank, ITEMS[k:k + 5], max_new_tokens=8) for k in range(4)]
+        other = [pool.submit(c.rerank, ITEMS[k:k + 5], max_new_tokens=8, decoder="diffusion") for k in range(2)]
+        same, other = [f.result(60) for f in same], [f.result(60) for f in other]
+    assert max(r.stats.batch_size for r in same) >= 2  # 100 ms wait: concurrent calls share a decode
+    assert all(r.stats.decoder == "diffusion" and r.stats.batch_size <= 2 for r in other)
+    for r in same + other:
+        assert sorted(it.previous_rank for it in r.items) == [1, 2, 3, 4, 5]
+
+
+def test_one_unrenderable_request_does_not_fail_its_batch(dirs):
+    eng = RerankEngine.load(dirs["model"], dirs["data"])
+    short = len(eng.prompt_ids(RerankRequest(history=[], candidates=ITEMS[:3])))
+    eng.max_prompt_tokens = short + 40  # 3 candidates fit, 25 do not
+    with BackgroundServer(eng, config(max_batch=4, max_wait_ms=300)) as srv, RerankerClient(srv.target) as c, \
+            ThreadPoolExecutor(2) as pool:
+        srv.warmed.result(60)
+        ok = pool.submit(c.rerank, ITEMS[:3], max_new_tokens=4)
+        long = pool.submit(code_of, lambda: c.rerank(ITEMS[:25], max_new_tokens=4))
+        code, msg = long.result(60)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("candidates: the model cannot take"), msg
+        assert len(ok.result(60).items) == 3
+
+        def broken(prompts, options):
+            raise RuntimeError("decoder exploded")
+
+        eng.decode = broken  # a crashing decode still answers, in retriever order
+        resp = c.rerank(ITEMS[:3], max_new_tokens=4)
+        assert resp.fallback and not resp.valid and resp.failure == "decode_error"
+        assert [it.item_id for it in resp.items] == ITEMS[:3]
+
+
+BAD = [  # (request fields, field named in the message)
+    (dict(candidates=[]), "candidates"),
+    (dict(candidates=[f"x{k}" for k in range(101)]), "candidates"),
+    (dict(candidates=["i01", "i02", "i01"]), "candidates[2].item_id"),
+    (dict(candidates=["i01", "nope"]), "candidates[1].item_id"),
+    (dict(candidates=["i01", ""]), "candidates[1].item_id"),
+    (dict(candidates=["i01", "i02"], scores=[0.5, float("nan")]), "candidates[1].score"),
+    (dict(candidates=["i01"], scores=[float("inf")]), "candidates[0].score"),
+    (dict(candidates=["i01"], options=pb.DecodeOptions(tau=0.0)), "options.tau"),
+    (dict(candidates=["i01"], options=pb.DecodeOptions(tau=1.5)), "options.tau"),
+    (dict(candidates=["i01"], options=pb.DecodeOptions(tau=float("nan"))), "options.tau"),
+    (dict(candidates=["i01"], options=pb.DecodeOptions(block_size=0)), "options.block_size"),
+    (dict(candidates=["i01"], options=pb.DecodeOptions(block_size=257)), "options.block_size"),
+    (dict(candidates=["i01"], options=pb.DecodeOptions(max_new_tokens=10_000)), "options.max_new_tokens"),
+    (dict(candidates=["i01"], options=pb.DecodeOptions(decoder=7)), "options.decoder"),
+    (dict(candidates=["i01"], history=["i02", ""]), "history[1]"),
+    (dict(candidates=["i01"], user_id="u" * 300), "user_id"),
+]
+
+
+@pytest.mark.parametrize("fields,field", BAD, ids=[b[1] + str(k) for k, b in enumerate(BAD)])
+def test_invalid_argument_names_the_field(client, fields, field):
+    fields = dict(fields)
+    req = rerank_request(fields.pop("candidates"), fields.pop("history", []), fields.pop("scores", None),
+                         fields.pop("user_id", ""), fields.pop("options", None))
+    code, msg = code_of(lambda: client.send(req))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, msg
+    assert msg.startswith(field + ":"), msg
+
+
+def test_message_size_limits(engine):
+    with BackgroundServer(engine, config(limits=limits(max_message_bytes=2000, max_history=10_000))) as srv, \
+            RerankerClient(srv.target) as c:
+        srv.warmed.result(60)
+        big = rerank_request(["i01"], ["i02"] * 400)  # ~2.4 kB: over the limit, under gRPC's 4x cap
+        code, msg = code_of(lambda: c.send(big))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("request:"), msg
+        huge = rerank_request(["i01"], ["i02"] * 4000)  # ~24 kB: refused by gRPC before the handler
+        assert code_of(lambda: c.send(huge))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert c.health() == "SERVING"
+
+
+def test_overload_is_rejected_fast_and_accepted_complete():
+    step_s, tokens = 0.02, 30  # one accepted decode takes >= 0.6 s (sleeps, not CPU)
+    eng = SlowEngine(step_s=step_s)
+    with BackgroundServer(eng, slow_config(max_batch=1, max_queue=2, max_wait_ms=0)) as srv, \
+            RerankerClient(srv.target) as c:
+        srv.warmed.result(30)
+        c.rerank(ITEMS[:3], max_new_tokens=1)  # connect before timing anything
+
+        def timed(k):
+            t = time.perf_counter()
+            code, _ = code_of(lambda: c.send(slow_request(f"r{k}", tokens)))
+            return code, time.perf_counter() - t
+
+        with ThreadPoolExecutor(10) as pool:
+            out = list(pool.map(timed, range(10)))
+    ok = [t for code, t in out if code == grpc.StatusCode.OK]
+    rejected = [t for code, t in out if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert len(ok) + len(rejected) == 10 and 1 <= len(ok) <= 4 and rejected, out
+    # Rejected without waiting for a decode slot: every refusal is back before one decode could
+    # have finished. (Not a wall-clock bar: on a quiet machine they take a few ms, on a loaded one
+    # the same code path took ~0.24 s; a timed assertion would fail by load, not by a bug.)
+    assert max(rejected) < step_s * tokens <= min(ok), (rejected, ok)
+    assert sum(len(b) for b in eng.finished) == len(ok) + 2  # +2: warm-up and the connect call
+
+
+def test_deadline_while_decoding_abandons_the_work():
+    eng = SlowEngine(step_s=0.01)
+    with BackgroundServer(eng, slow_config(max_batch=1)) as srv, RerankerClient(srv.target) as c:
+        srv.warmed.result(30)
+        before = eng.forwards
+        code, msg = code_of(lambda: c.send(slow_request("late", 300), timeout=0.3))  # needs ~3 s
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+        time.sleep(0.2)
+        assert ["late"] in eng.started and ["late"] not in eng.finished
+        assert eng.forwards - before < 100  # stopped between forward passes, long before 300
+        assert c.send(slow_request("next", 2)).items  # the worker is free again
+
+
+def test_deadline_while_queued_skips_the_work():
+    eng = SlowEngine(step_s=0.01)
+    with BackgroundServer(eng, slow_config(max_batch=1)) as srv, RerankerClient(srv.target) as c:
+        srv.warmed.result(30)
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(c.send, slow_request("first", 60))  # ~0.6 s of decoding
+            while ["first"] not in eng.started:
+                time.sleep(0.005)
+            code, _ = code_of(lambda: c.send(slow_request("queued", 5), timeout=0.2))
+            assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert first.result(10).items
+        time.sleep(0.1)
+        assert ["queued"] not in eng.started  # never decoded
+
+
+def test_health_reflection_warmup_and_drain():
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+    from google.protobuf.descriptor_pool import DescriptorPool
+
+    eng = SlowEngine(step_s=0.01)
+    eng.gate.clear()  # hold the warm-up
+    srv = BackgroundServer(eng, slow_config(max_batch=1))
+    try:
+        with RerankerClient(srv.target) as c:
+            # reflection, grpcurl-style: list services, then describe the service from the server alone
+            db = ProtoReflectionDescriptorDatabase(c.channel)
+            assert {"diffusion_gr2.v1.Reranker", "grpc.health.v1.Health"} <= set(db.get_services())
+            methods = DescriptorPool(db).FindServiceByName("diffusion_gr2.v1.Reranker").methods_by_name
+            assert {"Rerank", "Recommend"} <= set(methods)
+
+            assert c.health() == "NOT_SERVING" and c.health("diffusion_gr2.v1.Reranker") == "NOT_SERVING"
+            eng.gate.set()
+            srv.warmed.result(30)
+            assert c.health() == "SERVING" and c.health("diffusion_gr2.v1.Reranker") == "SERVING"
+
+            with ThreadPoolExecutor(1) as pool:
+                inflight = pool.submit(c.send, slow_request("inflight", 80))  # ~0.8 s
+                while ["inflight"] not in eng.started:
+                    time.sleep(0.005)
+                drained = srv.submit(srv.running.drain(grace_s=10))
+                time.sleep(0.1)
+                assert c.health() == "NOT_SERVING"
+                code, msg = code_of(lambda: c.send(slow_request("late", 1)))
+                assert code == grpc.StatusCode.UNAVAILABLE and "draining" in msg
+                assert not drained.done()
+                resp = inflight.result(10)  # the in-flight request finishes
+                assert [it.item_id for it in resp.items] == ITEMS[:3][::-1]
+                drained.result(20)
+            assert ["late"] not in eng.started
+    finally:
+        srv.stop()
+
+
+def self_signed(tmp: Path) -> tuple[Path, Path]:
+    """A throwaway certificate for localhost / 127.0.0.1 (openssl CLI; `cryptography` is not installed)."""
+    cert, key = tmp / "cert.pem", tmp / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True)
+    return cert, key
+
+
+def test_tls_by_option_and_loopback_default(tmp_path):
+    assert ServerConfig().host == "127.0.0.1"
+    import inspect
+    assert inspect.signature(serve).parameters["host"].default == "127.0.0.1"
+    cert, key = self_signed(tmp_path)
+    eng = SlowEngine()
+    with BackgroundServer(eng, slow_config(tls_cert=str(cert), tls_key=str(key))) as srv:
+        srv.warmed.result(30)
+        assert srv.target.startswith("127.0.0.1:")
+        with RerankerClient(srv.target, tls_ca=cert, timeout=10) as c:
+            assert c.health() == "SERVING"
+            assert [it.item_id for it in c.send(slow_request("tls", 1)).items] == ["i02", "i01", "i00"]
+        with RerankerClient(srv.target, timeout=2) as plain:  # plaintext to a TLS port fails
+            assert code_of(lambda: plain.health(timeout=2))[0] == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(ValueError, match="both tls_cert and tls_key"):
+        BackgroundServer(eng, slow_config(tls_cert=str(cert)))
+
+
+def test_client_main_prints_json(server, capsys):
+    target = server.target
+    assert client_main(["health", "--target", target]) == 0
+    assert json.loads(capsys.readouterr().out) == {"status": "SERVING"}
+    assert client_main(["rerank", "--target", target, "--candidates", "i01,i02,i03", "--scores", "3,2,1",
+                        "--history", "i05", "--max-new-tokens", "4", "--top-k", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["items"]) == 2 and out["stats"]["decoder"] == "ar"
+    assert client_main(["rerank", "--target", target, "--candidates", "i01,nope"]) == 1
+    assert "INVALID_ARGUMENT: candidates[1].item_id" in capsys.readouterr().err
+    assert client_main(["recommend", "--target", target, "--history", "i01"]) == 1
+    assert "FAILED_PRECONDITION" in capsys.readouterr().err
+
+
+def test_loadtest_small(server):
+    from reranker.service.loadtest import loadtest
+
+    rep = loadtest(server.target, None, n_requests=12, concurrency=4, duration_limit_s=60,
+                   options={"max_new_tokens": 6}, item_ids=ITEMS)
+    assert rep["ok"] == 12 and rep["errors"] == {} and rep["requests_sent"] == 12 and rep["qps"] > 0
+    lat = rep["latency_ms"]
+    assert 0 < lat["p50"] <= lat["p95"] <= lat["p99"] <= lat["max"]
+    assert rep["mean_batch_size"] >= 1 and rep["stopped_by"] == "count"
+    short = loadtest(server.target, [{"candidates": ITEMS[:4]}], n_requests=10_000, concurrency=2,
+                     duration_limit_s=0.5, options={"max_new_tokens": 4})
+    assert short["stopped_by"] == "duration" and short["requests_sent"] < 10_000
+
+
+# ---- Recommend: a real RecBole SASRec + FAISS index over the same 30 items ---------------------
+TINY_SASREC = {"epochs": 1, "hidden_size": 16, "inner_size": 32, "n_layers": 1, "n_heads": 1,
+               "train_batch_size": 256, "MAX_ITEM_LIST_LENGTH": 10, "show_progress": False}
+
+
+@pytest.fixture(scope="module")
+def retrieval_dir(dirs):
+    from candidate_gen.index import ItemIndex
+    from candidate_gen.sasrec import SasrecEncoder, train_sasrec, write_recbole_dataset
+
+    d = dirs["root"] / "retrieval"
+    write_recbole_dataset(d / "data", "toy", dirs["seqs"])
+    run = train_sasrec(d / "data", "toy", d / "sasrec", TINY_SASREC, seed=0, evaluate=False)
+    emb, _ = SasrecEncoder(run.model, run.dataset).item_embeddings(ITEMS)
+    ItemIndex.build(emb, ITEMS, "flat").save(d / "index")
+    return d
+
+
+def test_recommend_retrieves_then_reranks(engine, retrieval_dir):
+    from reranker.service.retrieval import Retriever
+
+    retriever = Retriever.load(retrieval_dir)
+    history = ["i03", "i10", "i17"]
+    expected, scores = retriever.retrieve(history, 5)
+    with BackgroundServer(engine, config(), retriever=retriever) as srv, RerankerClient(srv.target) as c:
+        srv.warmed.result(60)
+        resp = c.recommend(history, num_candidates=5, max_new_tokens=8)
+        res = resp.result
+        assert sorted(it.item_id for it in res.items) == sorted(expected)
+        assert not set(expected) & set(history) and resp.retrieval_ms > 0
+        by_prev = {it.previous_rank: it for it in res.items}
+        assert [by_prev[k + 1].item_id for k in range(5)] == expected
+        assert by_prev[1].score == pytest.approx(scores[0], rel=1e-5)
+        for req, field in ((dict(history=[]), "history"), (dict(history=["zz"]), "history"),
+                           (dict(history=history, num_candidates=500), "num_candidates"),
+                           (dict(history=history, tau=2.0), "options.tau")):
+            code, msg = code_of(lambda: c.recommend(**req))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith(field + ":"), msg
+
+
+# ---- the real entry point under SIGTERM ---------------------------------------------------------
+def _lines(stream, q):
+    for line in iter(stream.readline, ""):
+        q.put(line)
+
+
+def launch_server(model_dir, data_dir, *extra, timeout: float = 90.0):
+    """`python -m reranker.service.server` on a free port; returns (process, target, log lines, reader)
+    once it logs SERVING. The caller kills the process."""
+    cmd = [sys.executable, "-m", "reranker.service.server", "--model", str(model_dir), "--data", str(data_dir),
+           "--port", "0", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=_lines, args=(proc.stderr, lines), daemon=True)
+    reader.start()
+    log, end = [], time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            log.append(lines.get(timeout=1))
+        except queue.Empty:
+            if proc.poll() is not None:
+                break
+            continue
+        if "SERVING on " in log[-1]:
+            return proc, log[-1].rsplit("SERVING on ", 1)[1].strip(), lines, reader
+    proc.kill()
+    proc.wait()
+    raise AssertionError("server did not become SERVING:\n" + "".join(log))
+
+
+def test_sigterm_drains_the_real_server(dirs):
+    proc, target, lines, reader = launch_server(dirs["model"], dirs["data"], "--max-batch", "1",
+                                                "--max-new-tokens", "400", "--drain-grace-s", "20")
+    log = []
+    try:
+        with RerankerClient(target, timeout=60) as c, ThreadPoolExecutor(6) as pool:
+            assert c.health() == "SERVING"
+            done = []
+
+            def call(k):
+                resp = c.rerank(ITEMS[k:k + 10], history=["i20"], max_new_tokens=400)
+                done.append(time.monotonic())
+                return resp
+
+            futures = [pool.submit(call, k) for k in range(6)]  # decoded one at a time, ~0.3 s each
+            time.sleep(0.3)
+            sent_term = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.1)
+            in_flight = len(done) < len(futures)
+            try:
+                status = c.health(timeout=5)
+            except grpc.RpcError as e:  # stopped already: only possible when nothing was left in flight
+                status = e.code().name
+            results = [f.result(60) for f in futures]
+        assert all(len(r.items) == 10 for r in results)
+        assert max(done) > sent_term, "every request finished before SIGTERM: nothing was in flight"
+        if in_flight:
+            assert status == "NOT_SERVING"
+        assert proc.wait(30) == 0
+        reader.join(10)
+        while not lines.empty():
+            log.append(lines.get())
+        text = "".join(log)
+        assert "SIGTERM: draining" in text and "stopped" in text, text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
