@@ -1,7 +1,7 @@
 """`dgr2 bench`: rebuild docs/BENCHMARKS.md and docs/plots/*.png from docs/results/*.json only.
 
 Never from cached or typed-in numbers: every cell comes from a result file, every table names the
-command, commit and date recorded in that file (``integration.results.write_result`` adds them;
+command, commit and date recorded in that file (``candidate_gen.files.write_result`` adds them;
 a file without them says "not recorded"). A section whose files are missing says "not measured
 yet" and which command produces them. A file that does not match its schema is reported in place
 (with the error) rather than stopping the whole report.
@@ -38,10 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from candidate_gen.atomic import atomic_write_text
+from candidate_gen.files import RESULTS_DIR, atomic_write_text, read_results
 
 from . import plots
-from .results import RESULTS_DIR, read_results
 
 log = logging.getLogger(__name__)
 
