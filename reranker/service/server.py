@@ -170,6 +170,8 @@ class RerankerService(pb_grpc.RerankerServicer):
         return build_response(prep, value, outcome.queue_ms, outcome.decode_ms, outcome.batch_size)
 
     async def Rerank(self, request, context):
+        if isinstance(request, UndecodableRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail)
         await self._admit(context)
         with self._tracked():
             try:
@@ -179,6 +181,8 @@ class RerankerService(pb_grpc.RerankerServicer):
             return await self._run(prep, context)
 
     async def Recommend(self, request, context):
+        if isinstance(request, UndecodableRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail)
         await self._admit(context)
         if self.retriever is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -284,6 +288,40 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+class UndecodableRequest:
+    """What the service's deserializers return for bytes that are not the method's message: the
+    handler answers INVALID_ARGUMENT. grpc's own path for a deserializer that raises logs a full
+    traceback per request and answers with an internal class name."""
+
+    def __init__(self, message: str, error: Exception):
+        self.detail = f"request: the bytes are not a valid {message} message ({error})"
+
+
+def _tolerant_parser(message_cls):
+    from google.protobuf.message import DecodeError
+
+    def parse(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except DecodeError as e:
+            return UndecodableRequest(message_cls.DESCRIPTOR.full_name, e)
+    return parse
+
+
+def add_reranker_service(service, server) -> None:
+    """The generated `add_RerankerServicer_to_server`, with deserializers that never raise."""
+    handlers = {
+        "Rerank": grpc.unary_unary_rpc_method_handler(
+            service.Rerank, request_deserializer=_tolerant_parser(pb.RerankRequest),
+            response_serializer=pb.RerankResponse.SerializeToString),
+        "Recommend": grpc.unary_unary_rpc_method_handler(
+            service.Recommend, request_deserializer=_tolerant_parser(pb.RecommendRequest),
+            response_serializer=pb.RecommendResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 async def start_server(engine, config: ServerConfig | None = None, retriever=None) -> RunningServer:
     """Bind and start (health NOT_SERVING); call `warm_up()` on the result to become SERVING."""
     config = config or ServerConfig()
@@ -297,7 +335,7 @@ async def start_server(engine, config: ServerConfig | None = None, retriever=Non
     ])
     service = RerankerService(engine, config.limits, retriever, config.max_batch, config.max_wait_ms,
                               config.max_queue)
-    pb_grpc.add_RerankerServicer_to_server(service, server)
+    add_reranker_service(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(service.health, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     await service.set_serving(False)

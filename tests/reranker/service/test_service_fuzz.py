@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -36,10 +37,10 @@ FIELD = re.compile(r"^(request|user_id|candidates|candidates\[\d+\]\.(item_id|sc
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     d = make_service_dirs(tmp_path_factory.mktemp("fuzz"))
-    proc, target, _, _ = launch_server(d["diffusion"], d["data"], "--max-new-tokens", "24", "--max-batch", "4")
+    proc, target, lines, _ = launch_server(d["diffusion"], d["data"], "--max-new-tokens", "24", "--max-batch", "4")
     try:
         with RerankerClient(target, timeout=60) as c:
-            yield proc, c
+            yield proc, c, target, lines
     finally:
         proc.kill()
         proc.wait()
@@ -97,8 +98,28 @@ def check_reply(c, req):
     assert [it.item_id for it in resp.items] == [req.candidates[p - 1].item_id for p in prev]
 
 
+def test_undecodable_bytes_get_invalid_argument_and_no_traceback(live):
+    proc, c, target, lines = live
+    while not lines.empty():  # what the server logged so far is not this test's
+        lines.get_nowait()
+    with grpc.insecure_channel(target) as ch:
+        for method, message in (("Rerank", "RerankRequest"), ("Recommend", "RecommendRequest")):
+            call = ch.unary_unary(f"/diffusion_gr2.v1.Reranker/{method}")  # raw bytes in, raw bytes out
+            for raw in (b"\xff\xff\xff\xff", b"\x0a\x05ab", b"\x08" + b"\x80" * 12):
+                with pytest.raises(grpc.RpcError) as e:
+                    call(raw, timeout=10)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, raw, e.value.details())
+                assert e.value.details().startswith(f"request: the bytes are not a valid diffusion_gr2.v1.{message}")
+    assert c.health() == "SERVING"
+    time.sleep(0.5)
+    logged = []
+    while not lines.empty():
+        logged.append(lines.get_nowait())
+    assert not [x for x in logged if "Traceback" in x or "deserializ" in x], "".join(logged)
+
+
 def test_malformed_requests_get_ok_or_invalid_argument(live):
-    proc, c = live
+    proc, c, _, _ = live
     # warm-up at the largest valid shapes, so the allocator has reached its working size
     for decoder in (pb.DECODER_AR, pb.DECODER_DIFFUSION):
         for k in range(3):
