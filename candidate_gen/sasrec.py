@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .atomic import write_interactions
-from .files import atomic_write, atomic_write_text
+from .files import atomic_write, atomic_write_text, parse_json_object
 from .recbole_compat import recbole_compat
 
 log = logging.getLogger(__name__)
@@ -178,11 +178,10 @@ def read_train_info(path: str | os.PathLike) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: missing; re-run `dgr2 retrieve` to write the SASRec files")
     try:
-        info = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(info, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(info).__name__}")
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    info = parse_json_object(text, str(path))
     if "settings" in info:
         info["settings"] = check_settings(info["settings"], str(path))
     return info

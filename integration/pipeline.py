@@ -57,7 +57,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     from reranker.stages.pipeline import run_pipeline
     from reranker.training.init_model import init_model
 
-    from .config import retrieval_settings as _retrieval_settings
+    from .config import retrieval_settings
 
     out = Path(cfg["out"])
     seed = int(cfg.get("seed", 0))
@@ -66,7 +66,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
 
     # 1. Retrieval.
     t = time.time()
-    rs = _retrieval_settings(cfg, data_override, str(out / "retrieval"))
+    rs = retrieval_settings(cfg, data_override, str(out / "retrieval"))
     h_ret = _hash("retrieval", section(cfg, "data"), section(cfg, "retrieval"), seed, data_override)
     if _done(out / "retrieval" / ".pipeline_done.json", h_ret):
         _step("retrieval", 1, n_steps, "up to date, skipped")
