@@ -284,7 +284,7 @@ def evaluate_rows(rows, data_dir: Path, ecfg: dict, eval_dir: Path) -> list[dict
     test_file = data_dir / f"{ecfg.get('split', 'test')}.jsonl"
     examples = load_examples(test_file, ecfg.get("limit"))
     test_hash = _file_hash(test_file)
-    out, ar_ranks = [], None
+    out, ar_ranks, by_key = [], None, {}
     for label, model_dir, decoder in rows:
         opts = _decode_options(ecfg, decoder)
         key = _hash("eval", _weights_hash(model_dir), test_hash, decoder, {k: ecfg.get(k) for k in EVAL_KEYS})
@@ -293,11 +293,18 @@ def evaluate_rows(rows, data_dir: Path, ecfg: dict, eval_dir: Path) -> list[dict
         if cached is not None and cached.get("eval_key") == key:
             rep = cached
             print(f"  eval {label}: up to date, skipped", flush=True)
+        elif key in by_key:
+            # A stage that kept its start (RL whose validation never improved) wrote the same weights:
+            # greedy decoding of the same weights on the same users gives the same report.
+            rep = {**by_key[key], "label": label, "model": str(model_dir), "same_weights_as": by_key[key]["label"]}
+            atomic_write_text(path, json.dumps(rep, indent=2))
+            print(f"  eval {label}: the same weights as {by_key[key]['label']}, its report reused", flush=True)
         else:
             engine = RerankEngine.load(model_dir, data_dir)
             rep = evaluate(engine, examples, opts, int(ecfg.get("batch_size", 8)))
             rep.update(label=label, model=str(model_dir), eval_key=key)
             atomic_write_text(path, json.dumps(rep, indent=2))
+        by_key.setdefault(key, rep)
         if label == "AR GR2":
             ar_ranks = rep["ranks"]
         out.append(rep)
