@@ -48,7 +48,8 @@ from candidate_gen.atomic import load_items
 from candidate_gen.files import atomic_write_text, write_dir_atomically, write_jsonl
 from candidate_gen.files import read_jsonl as _read_jsonl
 from candidate_gen.split import train_sequences
-from reranker.data.evidence import candidates_evidence, item_meta_lookup
+from reranker.data.evidence import (ITEM_FIELDS, absent_fields, absent_fields_note, candidates_evidence,
+                                    item_meta_lookup)
 from reranker.data.features import FeatureContext
 from reranker.data.retrace import RULE_LABEL_STYLES, retrace_row
 from reranker.data.teachers.base import Oracle, TeachExample, TeacherOutput, teacher_stats
@@ -347,6 +348,9 @@ def build_rerank_data(retrieval_dir, items_path, out_dir, teacher: str = "rule",
     seqs, rows = load_retrieval(retrieval_dir)
     items_frame = load_items(items_path).to_frame()
     meta = item_meta_lookup(items_frame)
+    absent = [f for f in ITEM_FIELDS if f in absent_fields(meta)]
+    if absent:
+        log.warning("%s", absent_fields_note(meta, items_path))
 
     # 1. Semantic IDs (item content only).
     sids, no_meta = _sids_for(seqs, retrieval_dir, items_frame, sid_config or {}, seed)
@@ -424,6 +428,8 @@ def build_rerank_data(retrieval_dir, items_path, out_dir, teacher: str = "rule",
         "prompts_trimmed": int(render.trimmed),
         "tokenizer_size": len(tok),
         "sids": {**sids.report(), "items_without_metadata": no_meta},
+        # Only when something is absent: the report of a full catalog stays byte-identical.
+        **({"absent_item_fields": absent} if absent else {}),
         "scorer": {"lists": scorer_lists, "full": scorer.full.info, "folds": [m.info for m in scorer.folds],
                    "feature_importance_gain": scorer.full.importance(),
                    "valid": _scorer_on_valid(scorer.full, Xv, gv, valid_rows)},
