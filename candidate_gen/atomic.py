@@ -24,7 +24,6 @@ from .files import atomic_write_text, read_text_lines
 log = logging.getLogger(__name__)
 
 INTER_REQUIRED = ("user_id", "item_id")
-INTER_OPTIONAL = ("timestamp",)
 ITEM_REQUIRED = ("item_id",)
 ITEM_OPTIONAL = ("title", "brand", "categories")
 
