@@ -172,9 +172,18 @@ def parse_json_object(text: str, where: str, error: type[BaseException] = ValueE
 
 def iter_jsonl(path: str | os.PathLike, error: type[Exception] = ValueError) -> Iterator[tuple[int, dict]]:
     """(line number, JSON object) for each non-blank line of `path`. A line that is not valid JSON
-    or not an object raises `error` naming file and line."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, raw in enumerate(f, start=1):
+    or not an object, or not UTF-8, raises `error` naming file and line; a leading BOM is dropped."""
+    # Bytes, decoded line by line: a text-mode read reports a bad byte with neither file nor line.
+    with open(path, "rb") as f:
+        for lineno, data in enumerate(f, start=1):
+            if lineno == 1 and data.startswith(_BOM):
+                data = data[len(_BOM):]
+            try:
+                raw = data.decode("utf-8")
+            except UnicodeDecodeError as err:
+                column = len(data[:err.start].decode("utf-8")) + 1
+                raise error(f"{path}:{lineno}: column {column}: byte 0x{data[err.start]:02x} is not valid UTF-8") \
+                    from None
             if raw.strip():
                 yield lineno, parse_json_object(raw, f"{path}:{lineno}", error)
 

@@ -146,6 +146,15 @@ def test_iter_jsonl_raises_the_callers_error_class(tmp_path):
         list(iter_jsonl(path, error=TraceError))
 
 
+def test_iter_jsonl_names_the_line_of_a_bad_byte_and_drops_a_bom(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"a": 1}\r\n\n{"t": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"t.jsonl:3: column 11: byte 0xe9 is not valid UTF-8"):
+        list(iter_jsonl(path))
+    path.write_bytes(b'\xef\xbb\xbf{"a": 1}\r\n\n{"t": "caf\xc3\xa9"}\n')
+    assert list(iter_jsonl(path)) == [(1, {"a": 1}), (3, {"t": "café"})]
+
+
 def test_write_result_records_command_commit_and_date(tmp_path, monkeypatch):
     monkeypatch.setattr(files, "current_commit", lambda: "abc1234")
     path = write_result(tmp_path / "res" / "x.json", {"value": 1}, "dgr2 x")
