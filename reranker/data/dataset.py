@@ -128,8 +128,22 @@ def _sids_for(seqs, retrieval_dir: Path, items_frame, sid_config: Mapping, seed:
     frame["categories"] = [c if isinstance(c, list) else [] for c in frame["categories"]]
     cfg = {"method": "tfidf", "dim": 64, "codebook_size": 256, "seed": seed, "model_dir": None, **dict(sid_config or {})}
     emb = content_embeddings(frame, method=cfg["method"], dim=cfg["dim"], seed=cfg["seed"], model_dir=cfg["model_dir"])
+    method = cfg["method"]
+    retriever_emb = retrieval_dir / "item_embeddings.npy"
+    if not emb.any() and items_json.is_file() and retriever_emb.is_file():
+        # No item has a title, brand or category: every content row is zero, and k-means would put
+        # the whole catalog under one prefix. The retriever's item vectors (rows in items.json
+        # order) are the only description of the items there is.
+        emb = np.load(retriever_emb).astype(np.float64)
+        if emb.shape[0] != len(ids):
+            raise ValueError(f"{retriever_emb}: {emb.shape[0]} rows for the {len(ids)} items of {items_json}")
+        norms = np.linalg.norm(emb, axis=1, keepdims=True)
+        emb = np.divide(emb, norms, out=np.zeros_like(emb), where=norms > 1e-12).astype(np.float32)
+        method = "retriever"
+        log.warning("no item has a title, brand or category: semantic IDs come from the retriever's item "
+                    "embeddings (%s)", retriever_emb)
     sids = build_semantic_ids(emb, ids, codebook_size=cfg["codebook_size"], seed=cfg["seed"],
-                              embedding_method=cfg["method"])
+                              embedding_method=method)
     return sids, missing
 
 
