@@ -1,10 +1,11 @@
 """Shared file I/O for every package: atomic writes (a text file, a JSON document, a directory),
-JSON-lines reading and writing, and the docs/results files.
+UTF-8 text and JSON-lines reading, JSON-lines writing, and the docs/results files.
 
 It sits at the bottom of the import graph and imports nothing of the project, so any module can
 use it. Atomic means a reader sees the old complete file (or directory) or the new one, never
-half of one: everything is written beside its destination, then renamed into place. Reading
-errors name the file and the line.
+half of one: everything is written beside its destination, then renamed into place; what a
+writer killed mid-directory-save leaves there is removed by the next write. Reading errors name
+the file and the line.
 """
 from __future__ import annotations
 
