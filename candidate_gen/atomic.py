@@ -5,6 +5,10 @@ RecBole itself is forgiving about malformed rows (it lets pandas guess); a retri
 Every problem is reported with the file, the line number and the field, so a user can fix the data
 instead of reading a pandas traceback. Duplicate (user, item, timestamp) rows are reported, then
 dropped: they are the common artefact of concatenating crawls.
+
+The timestamp column is optional: without one (or when every row has the same timestamp) each
+user's sequence is the order of the rows in the file, which is also how ties are broken anywhere
+(see candidate_gen.split).
 """
 from __future__ import annotations
 
@@ -15,11 +19,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .files import atomic_write_text
+from .files import atomic_write_text, read_text_lines
 
 log = logging.getLogger(__name__)
 
-INTER_REQUIRED = ("user_id", "item_id", "timestamp")
+INTER_REQUIRED = ("user_id", "item_id")
 ITEM_REQUIRED = ("item_id",)
 ITEM_OPTIONAL = ("title", "brand", "categories")
 
@@ -100,14 +104,21 @@ def _read_header(path: Path, lines: list[str], required: tuple[str, ...]) -> dic
 def _read_lines(path: Path) -> list[str]:
     if not path.exists():
         raise AtomicFormatError(f"{path}: file not found")
-    with open(path, encoding="utf-8") as f:
-        return f.readlines()
+    return read_text_lines(path, AtomicFormatError)
+
+
+def _column_names(parts: list[str]) -> set[str] | None:
+    """The column names if every field is a `name:type` header spec, else None."""
+    if not all(":" in p for p in parts):
+        return None
+    return {p.split(":", 1)[0].strip() for p in parts}
 
 
 def _data_rows(path: Path, lines: list[str]) -> Iterator[tuple[int, list[str]]]:
     """(line number, tab-separated fields) of each non-blank row below the header; a row with
-    another number of fields than the header is an error naming the line."""
-    n_cols = len(lines[0].rstrip("\n\r").split("\t"))
+    another number of fields than the header, or a second header row, is an error naming the line."""
+    header = lines[0].rstrip("\n\r").split("\t")
+    n_cols, names = len(header), _column_names(header)
     for lineno, raw in enumerate(lines[1:], start=2):
         line = raw.rstrip("\n\r")
         if not line.strip():
@@ -117,6 +128,10 @@ def _data_rows(path: Path, lines: list[str]) -> Iterator[tuple[int, list[str]]]:
             raise AtomicFormatError(
                 f"{path}: line {lineno}: expected {n_cols} tab-separated columns, found {len(parts)}"
             )
+        # Concatenated files repeat the header; read as data it would become an item (or a user)
+        # called "item_id:token".
+        if names is not None and _column_names([p.lstrip("\ufeff") for p in parts]) == names:
+            raise AtomicFormatError(f"{path}: line {lineno}: repeats the header row (files concatenated?)")
         yield lineno, parts
 
 
@@ -125,24 +140,27 @@ def load_interactions(path: str | os.PathLike) -> Interactions:
     path = Path(path)
     lines = _read_lines(path)
     cols = _read_header(path, lines, INTER_REQUIRED)
-    iu, ii, it = cols["user_id"], cols["item_id"], cols["timestamp"]
+    iu, ii, it = cols["user_id"], cols["item_id"], cols.get("timestamp")
     users, items, times = [], [], []
     seen: dict[tuple[str, str, float], int] = {}
     dups = 0
     for lineno, parts in _data_rows(path, lines):
-        u, i, ts = parts[iu].strip(), parts[ii].strip(), parts[it].strip()
+        u, i = parts[iu].strip(), parts[ii].strip()
         if not u:
             raise AtomicFormatError(f"{path}: line {lineno}: field 'user_id' is empty")
         if not i:
             raise AtomicFormatError(f"{path}: line {lineno}: field 'item_id' is empty")
-        try:
-            t = float(ts)
-        except ValueError:
-            raise AtomicFormatError(
-                f"{path}: line {lineno}: field 'timestamp': cannot parse {ts!r} as a number"
-            ) from None
-        if not math.isfinite(t):
-            raise AtomicFormatError(f"{path}: line {lineno}: field 'timestamp': {ts!r} is not finite")
+        ts, t = "none", 0.0  # no timestamp column: every row ties, and file order decides
+        if it is not None:
+            ts = parts[it].strip()
+            try:
+                t = float(ts)
+            except ValueError:
+                raise AtomicFormatError(
+                    f"{path}: line {lineno}: field 'timestamp': cannot parse {ts!r} as a number"
+                ) from None
+            if not math.isfinite(t):
+                raise AtomicFormatError(f"{path}: line {lineno}: field 'timestamp': {ts!r} is not finite")
         key = (u, i, t)
         if key in seen:
             dups += 1
@@ -158,6 +176,11 @@ def load_interactions(path: str | os.PathLike) -> Interactions:
         raise AtomicFormatError(f"{path}: empty file (header only, no interactions)")
     if dups:
         log.warning("%s: %d duplicate (user, item, timestamp) rows dropped", path, dups)
+    if it is None:
+        log.info("%s: no timestamp column: each user's sequence follows the order of the rows", path)
+    elif len(users) > 1 and min(times) == max(times):
+        log.info("%s: every row has timestamp %s: each user's sequence follows the order of the rows",
+                 path, times[0])
     return Interactions(users, items, times, source=str(path), dropped_duplicates=dups)
 
 
@@ -182,14 +205,26 @@ def load_items(path: str | os.PathLike) -> ItemTable:
 
 
 def write_interactions(path, users, items, timestamps) -> None:
-    rows = ["user_id:token\titem_id:token\ttimestamp:float"]
-    rows += [f"{u}\t{i}\t{float(t)!r}" for u, i, t in zip(users, items, timestamps)]
+    """`timestamps` None: a file without a timestamp column (row order is the sequence order)."""
+    if timestamps is None:
+        rows = ["user_id:token\titem_id:token"] + [f"{u}\t{i}" for u, i in zip(users, items)]
+    else:
+        rows = ["user_id:token\titem_id:token\ttimestamp:float"]
+        rows += [f"{u}\t{i}\t{float(t)!r}" for u, i, t in zip(users, items, timestamps)]
     atomic_write_text(path, "\n".join(rows) + "\n")
 
 
-def write_items(path, table: ItemTable) -> None:
-    rows = ["item_id:token\ttitle:token_seq\tbrand:token\tcategories:token_seq"]
-    for item, title in table.titles.items():
-        cats = " ".join(table.categories.get(item, []))
-        rows.append(f"{item}\t{title}\t{table.brands.get(item, '')}\t{cats}")
+_ITEM_TYPES = {"title": "token_seq", "brand": "token", "categories": "token_seq"}
+
+
+def write_items(path, table: ItemTable, columns: tuple[str, ...] = ITEM_OPTIONAL) -> None:
+    """item_id and the optional `columns` (a subset of ITEM_OPTIONAL, written in that order)."""
+    unknown = sorted(set(columns) - set(ITEM_OPTIONAL))
+    if unknown:
+        raise ValueError(f"write_items: unknown column(s) {unknown}; choose from {ITEM_OPTIONAL}")
+    columns = tuple(c for c in ITEM_OPTIONAL if c in columns)
+    cells = {"title": lambda i: table.titles[i], "brand": lambda i: table.brands.get(i, ""),
+             "categories": lambda i: " ".join(table.categories.get(i, []))}
+    rows = ["\t".join(["item_id:token"] + [f"{c}:{_ITEM_TYPES[c]}" for c in columns])]
+    rows += ["\t".join([item] + [cells[c](item) for c in columns]) for item in table.titles]
     atomic_write_text(path, "\n".join(rows) + "\n")

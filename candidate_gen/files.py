@@ -1,16 +1,19 @@
 """Shared file I/O for every package: atomic writes (a text file, a JSON document, a directory),
-JSON-lines reading and writing, and the docs/results files.
+UTF-8 text and JSON-lines reading, JSON-lines writing, and the docs/results files.
 
 It sits at the bottom of the import graph and imports nothing of the project, so any module can
 use it. Atomic means a reader sees the old complete file (or directory) or the new one, never
-half of one: everything is written beside its destination, then renamed into place. Reading
-errors name the file and the line.
+half of one: everything is written beside its destination, then renamed into place; what a
+writer killed mid-directory-save leaves there is removed by the next write. Reading errors name
+the file and the line.
 """
 from __future__ import annotations
 
 import datetime as _dt
+import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -54,27 +57,105 @@ def atomic_write_json(path: str | os.PathLike, obj) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def _sibling(path: Path, kind: str) -> Path:
+    # The writer's pid is in the name so that a later writer can tell a killed writer's leftovers
+    # from a directory another live process is still writing.
+    return path.parent / f".{path.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def sweep_stale_siblings(path: str | os.PathLike) -> list[Path]:
+    """Remove the temp (`.<name>.tmp-*`) and moved-aside (`.<name>.old-*`) directories that a
+    writer killed mid-save left beside `path` (nothing else ever removes them), except those of a
+    process still running on this machine. Returns what was removed."""
+    path = Path(path)
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(?:tmp|old)-(?:(\d+)-)?[0-9a-f]{{8}}")
+    if not path.parent.is_dir():
+        return []
+    removed = []
+    for p in path.parent.iterdir():
+        m = pattern.fullmatch(p.name)
+        # A name without a pid was written before names carried one: its writer is long gone.
+        if m is None or (m.group(1) and _alive(int(m.group(1)))):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
+
+
 def replace_dir(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     """Rename directory `src` to `dst`, replacing an existing `dst` (moved aside first, then
-    removed, so at every instant `dst` is either the old or the new complete directory)."""
+    removed, so at every instant `dst` is either the old or the new complete directory).
+
+    Stale temp directories of killed writers of either name are removed on the way: once `src`
+    has become `dst`, a half-written save into `src` (a stage's best model in `<out>.partial`)
+    has no later save that would sweep it."""
     src, dst = Path(src), Path(dst)
     old = None
     if dst.exists():
-        old = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
+        old = _sibling(dst, "old")
         os.rename(dst, old)
     os.rename(src, dst)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+    sweep_stale_siblings(src)
+    sweep_stale_siblings(dst)
     return dst
 
 
 def write_dir_atomically(path: str | os.PathLike, save: Callable[[Path], object]) -> Path:
-    """Run ``save(tmp_dir)`` on a sibling temp directory, then swap it into place at `path`."""
+    """Run ``save(tmp_dir)`` on a sibling temp directory, then swap it into place at `path`.
+    A save that raises leaves no temp directory; one killed mid-save leaves one that the next
+    write of `path` (or a replace_dir of it) removes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    save(tmp)
+    sweep_stale_siblings(path)
+    tmp = _sibling(path, "tmp")
+    try:
+        save(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return replace_dir(tmp, path)
+
+
+# ---------------------------------------------------------------- text files
+_BOM = b"\xef\xbb\xbf"
+
+
+def read_text_lines(path: str | os.PathLike, error: type[Exception] = ValueError) -> list[str]:
+    """The lines of a UTF-8 text file, newline-terminated as `open(...).readlines()` gives them.
+
+    A UTF-8 byte-order mark at the start is dropped (spreadsheet exports write one, and it would
+    glue itself to the first column's name). Bytes that are not UTF-8 raise `error` naming the
+    file, the line and the column, where the decoder alone names only a byte offset."""
+    data = Path(path).read_bytes()
+    if data.startswith(_BOM):
+        data = data[len(_BOM):]
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        before = io.StringIO(data[:err.start].decode("utf-8"), newline=None).readlines()
+        if not before or before[-1].endswith("\n"):  # the bad byte starts a line
+            line, column = len(before) + 1, 1
+        else:
+            line, column = len(before), len(before[-1]) + 1
+        raise error(f"{path}: line {line}: column {column}: byte 0x{data[err.start]:02x} is not valid UTF-8 "
+                    f"(save the file as UTF-8)") from None
+    # Universal newlines, as text-mode reading does ("\r\n" and "\r" end a line too).
+    return io.StringIO(text, newline=None).readlines()
 
 
 # ---------------------------------------------------------------- JSON lines
@@ -92,9 +173,18 @@ def parse_json_object(text: str, where: str, error: type[BaseException] = ValueE
 
 def iter_jsonl(path: str | os.PathLike, error: type[Exception] = ValueError) -> Iterator[tuple[int, dict]]:
     """(line number, JSON object) for each non-blank line of `path`. A line that is not valid JSON
-    or not an object raises `error` naming file and line."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, raw in enumerate(f, start=1):
+    or not an object, or not UTF-8, raises `error` naming file and line; a leading BOM is dropped."""
+    # Bytes, decoded line by line: a text-mode read reports a bad byte with neither file nor line.
+    with open(path, "rb") as f:
+        for lineno, data in enumerate(f, start=1):
+            if lineno == 1 and data.startswith(_BOM):
+                data = data[len(_BOM):]
+            try:
+                raw = data.decode("utf-8")
+            except UnicodeDecodeError as err:
+                column = len(data[:err.start].decode("utf-8")) + 1
+                raise error(f"{path}:{lineno}: column {column}: byte 0x{data[err.start]:02x} is not valid UTF-8") \
+                    from None
             if raw.strip():
                 yield lineno, parse_json_object(raw, f"{path}:{lineno}", error)
 

@@ -1,6 +1,8 @@
 """k-core filtering and the leave-one-out split by time (TIGER / S3-Rec protocol).
 
-Each user's sequence is sorted by (timestamp, file order). The last item is the test target, the
+Each user's sequence is sorted by (timestamp, file order): equal timestamps (day-granular stamps,
+a file where every row has one timestamp, or no timestamp column at all) keep the order of the
+rows in the file, so the split of a given file is deterministic. The last item is the test target, the
 second-to-last the validation target, and every earlier position t >= 1 is a training example
 (prefix s[:t] -> s[t]).
 """

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic import ItemTable, write_interactions, write_items
+from .atomic import ITEM_OPTIONAL, ItemTable, write_interactions, write_items
 
 _TOP = ["Skin_Care", "Makeup", "Hair_Care", "Fragrance", "Bath_&_Body", "Tools_&_Accessories",
         "Nails", "Men's_Grooming"]
@@ -34,6 +34,11 @@ class SyntheticConfig:
     p_complement: float = 0.45  # next item is a complement of the previous one
     p_brand: float = 0.15  # next item is from a brand the user likes
     p_affinity: float = 0.30  # next item from the user's favourite categories
+    # Variants that lack what many RecBole datasets lack, so the pipeline is tested without it.
+    # Applied after generation: the purchases (and the default files) do not change.
+    brand_column: bool = True  # False: the .item file has no brand column
+    titles: bool = True  # False: every title is empty
+    timestamps: str = "real"  # "tied": one timestamp for every row; "none": no timestamp column
 
 
 def _brand_name(rng: np.random.Generator, used: set[str]) -> str:
@@ -126,11 +131,22 @@ def generate(cfg: SyntheticConfig):
     return users, items, times, table
 
 
+TIMESTAMP_VARIANTS = ("real", "tied", "none")
+
+
 def write_synthetic(out_dir: str | Path, cfg: SyntheticConfig | None = None, name: str = "synthetic") -> Path:
     """Write `<name>.inter` and `<name>.item` into out_dir and return the directory."""
     cfg = cfg or SyntheticConfig()
+    if cfg.timestamps not in TIMESTAMP_VARIANTS:
+        raise ValueError(f"SyntheticConfig.timestamps: {cfg.timestamps!r} is not one of {TIMESTAMP_VARIANTS}")
     out = Path(out_dir)
     users, items, times, table = generate(cfg)
+    if cfg.timestamps != "real":
+        # Rows are written user by user in purchase order, so file order still holds the sequence.
+        times = None if cfg.timestamps == "none" else [0.0] * len(times)
+    if not cfg.titles:
+        table.titles = dict.fromkeys(table.titles, "")
+    columns = tuple(c for c in ITEM_OPTIONAL if cfg.brand_column or c != "brand")
     write_interactions(out / f"{name}.inter", users, items, times)
-    write_items(out / f"{name}.item", table)
+    write_items(out / f"{name}.item", table, columns)
     return out

@@ -54,8 +54,35 @@ def no_weight_bars():
         hf_logging.set_tqdm_hook(previous)
 
 
+class ModelDirError(ValueError):
+    """A model directory that cannot be loaded. The message names the file and says why, in one
+    line (the CLI prints it as is) instead of a traceback through transformers."""
+
+
+def check_weight_files(path) -> None:
+    """Open the header of every *.safetensors file of a model directory: a damaged or truncated file
+    (a copy cut short, a disk error) raises ModelDirError naming it. transformers would raise from
+    deep in its loader without naming the file."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.is_dir():  # a name in the local Hugging Face cache: transformers resolves it
+        return
+    if not (path / "config.json").is_file():
+        raise ModelDirError(f"{path}: not a model directory (no config.json)")
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as weights:
+                weights.keys()
+        except (SafetensorError, OSError) as err:
+            raise ModelDirError(f"{f}: not a readable safetensors file ({err}); copy or export the model "
+                                "again") from None
+
+
 def load_model(path, dtype=None, attn_implementation=None, device=None):
-    """Load any local HF causal-LM directory (never touches the network)."""
+    """Load any local HF causal-LM directory (never touches the network); a damaged weight file
+    raises ModelDirError naming it."""
+    check_weight_files(path)
     kwargs = dict(local_files_only=True)
     if dtype is not None:
         kwargs["dtype"] = dtype

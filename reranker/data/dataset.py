@@ -48,7 +48,8 @@ from candidate_gen.atomic import load_items
 from candidate_gen.files import atomic_write_text, write_dir_atomically, write_jsonl
 from candidate_gen.files import read_jsonl as _read_jsonl
 from candidate_gen.split import train_sequences
-from reranker.data.evidence import candidates_evidence, item_meta_lookup
+from reranker.data.evidence import (ITEM_FIELDS, absent_fields, absent_fields_note, candidates_evidence,
+                                    item_meta_lookup)
 from reranker.data.features import FeatureContext
 from reranker.data.retrace import RULE_LABEL_STYLES, retrace_row
 from reranker.data.teachers.base import Oracle, TeachExample, TeacherOutput, teacher_stats
@@ -127,8 +128,22 @@ def _sids_for(seqs, retrieval_dir: Path, items_frame, sid_config: Mapping, seed:
     frame["categories"] = [c if isinstance(c, list) else [] for c in frame["categories"]]
     cfg = {"method": "tfidf", "dim": 64, "codebook_size": 256, "seed": seed, "model_dir": None, **dict(sid_config or {})}
     emb = content_embeddings(frame, method=cfg["method"], dim=cfg["dim"], seed=cfg["seed"], model_dir=cfg["model_dir"])
+    method = cfg["method"]
+    retriever_emb = retrieval_dir / "item_embeddings.npy"
+    if not emb.any() and items_json.is_file() and retriever_emb.is_file():
+        # No item has a title, brand or category: every content row is zero, and k-means would put
+        # the whole catalog under one prefix. The retriever's item vectors (rows in items.json
+        # order) are the only description of the items there is.
+        emb = np.load(retriever_emb).astype(np.float64)
+        if emb.shape[0] != len(ids):
+            raise ValueError(f"{retriever_emb}: {emb.shape[0]} rows for the {len(ids)} items of {items_json}")
+        norms = np.linalg.norm(emb, axis=1, keepdims=True)
+        emb = np.divide(emb, norms, out=np.zeros_like(emb), where=norms > 1e-12).astype(np.float32)
+        method = "retriever"
+        log.warning("no item has a title, brand or category: semantic IDs come from the retriever's item "
+                    "embeddings (%s)", retriever_emb)
     sids = build_semantic_ids(emb, ids, codebook_size=cfg["codebook_size"], seed=cfg["seed"],
-                              embedding_method=cfg["method"])
+                              embedding_method=method)
     return sids, missing
 
 
@@ -347,6 +362,9 @@ def build_rerank_data(retrieval_dir, items_path, out_dir, teacher: str = "rule",
     seqs, rows = load_retrieval(retrieval_dir)
     items_frame = load_items(items_path).to_frame()
     meta = item_meta_lookup(items_frame)
+    absent = [f for f in ITEM_FIELDS if f in absent_fields(meta)]
+    if absent:
+        log.warning("%s", absent_fields_note(meta, items_path))
 
     # 1. Semantic IDs (item content only).
     sids, no_meta = _sids_for(seqs, retrieval_dir, items_frame, sid_config or {}, seed)
@@ -424,6 +442,8 @@ def build_rerank_data(retrieval_dir, items_path, out_dir, teacher: str = "rule",
         "prompts_trimmed": int(render.trimmed),
         "tokenizer_size": len(tok),
         "sids": {**sids.report(), "items_without_metadata": no_meta},
+        # Only when something is absent: the report of a full catalog stays byte-identical.
+        **({"absent_item_fields": absent} if absent else {}),
         "scorer": {"lists": scorer_lists, "full": scorer.full.info, "folds": [m.info for m in scorer.folds],
                    "feature_importance_gain": scorer.full.importance(),
                    "valid": _scorer_on_valid(scorer.full, Xv, gv, valid_rows)},

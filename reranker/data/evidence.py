@@ -33,7 +33,40 @@ def _clean(value) -> str:
     return str(value).strip()
 
 
-def item_meta_lookup(items) -> dict[str, ItemMeta]:
+ITEM_FIELDS = ("title", "brand", "categories")
+
+
+class ItemCatalog(dict):
+    """item_id -> ItemMeta, knowing which metadata fields no item has (``absent``).
+
+    Many RecBole datasets have no brand column, or empty titles: a field absent from the whole
+    catalog is left out of the prompt lines instead of writing "no brand" on every one of them.
+    A plain mapping works wherever a catalog does, with nothing absent."""
+
+    def __init__(self, entries=(), absent=frozenset()):
+        super().__init__(entries)
+        self.absent = frozenset(absent)
+
+
+def absent_fields(items_meta: Mapping) -> frozenset[str]:
+    """The ITEM_FIELDS that no item of the catalog has (none for a plain mapping)."""
+    return getattr(items_meta, "absent", frozenset())
+
+
+def absent_fields_note(items_meta: Mapping, source) -> str | None:
+    """One line saying what an absent field changes downstream, or None when nothing is absent."""
+    absent = [f for f in ITEM_FIELDS if f in absent_fields(items_meta)]
+    if not absent:
+        return None
+    effects = {"title": "semantic IDs and prompts use no title words",
+               "brand": "prompts leave brand names and brand counts out; the brand features and the "
+                        "baselines' brand tie-break are 0 for every candidate",
+               "categories": "prompts leave category names and matches out; the category features are 0"}
+    return (f"{source}: no item has a {' / '.join(absent)}: "
+            + "; ".join(effects[f] for f in absent))
+
+
+def item_meta_lookup(items) -> ItemCatalog:
     """item_id -> ItemMeta from the items DataFrame (build once, reuse for every prompt)."""
     missing = [c for c in ("item_id", "title", "brand", "categories") if c not in items.columns]
     if missing:
@@ -45,7 +78,9 @@ def item_meta_lookup(items) -> dict[str, ItemMeta]:
         elif cats is None or (isinstance(cats, float) and cats != cats):
             cats = ()
         out[str(item)] = ItemMeta(_clean(title), _clean(brand), tuple(str(c) for c in cats))
-    return out
+    present = {"title": any(m.title for m in out.values()), "brand": any(m.brand for m in out.values()),
+               "categories": any(m.categories for m in out.values())}
+    return ItemCatalog(out, (f for f in ITEM_FIELDS if not present[f]))
 
 
 def as_item_meta(items_meta) -> Mapping[str, ItemMeta]:

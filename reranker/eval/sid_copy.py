@@ -146,11 +146,13 @@ def greedy_copy_validity(model, tokenizer, records: list[dict], max_new_tokens: 
 
 def run_sid_copy(model_dir, data_dir, file: str = "valid.jsonl", limit: int | None = 64, batch_size: int = 8,
                  greedy: bool = False) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from reranker.model import load_model
 
     path = Path(data_dir) / file
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True)
+    model = load_model(model_dir)
     records = read_jsonl(path, limit)
     res = sid_copy_accuracy(model, tok, records, batch_size)
     if greedy:

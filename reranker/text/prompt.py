@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from reranker.data.evidence import ItemMeta, as_item_meta
+from reranker.data.evidence import ItemMeta, absent_fields, as_item_meta
 from reranker.text.tokenizer import THINK_CLOSE, THINK_OPEN
 
 
@@ -58,7 +58,9 @@ def _text(value: str, max_chars: int, max_words: int = _MAX_WORDS) -> str:
     return out.rstrip(" &,-/")
 
 
-def _item_text(meta: ItemMeta, prof: PromptProfile) -> str:
+def _item_text(meta: ItemMeta, prof: PromptProfile, absent: frozenset[str] = frozenset()) -> str:
+    """`absent`: fields no item of the catalog has; "no brand" on every line would tell the model
+    nothing and cost tokens."""
     if not prof.names:
         return ""
     parts = []
@@ -67,8 +69,10 @@ def _item_text(meta: ItemMeta, prof: PromptProfile) -> str:
         words = _TOKEN_LIKE.sub(" ", meta.title).replace(";", ",").split()
         if words:
             parts.append(" ".join(words[:title_words]))
-    parts.append(_text(meta.leaf_category, prof.max_name_chars) or "no category")
-    parts.append(_text(meta.brand, prof.max_name_chars) or "no brand")
+    if "categories" not in absent:
+        parts.append(_text(meta.leaf_category, prof.max_name_chars) or "no category")
+    if "brand" not in absent:
+        parts.append(_text(meta.brand, prof.max_name_chars) or "no brand")
     return ", ".join(parts)
 
 
@@ -80,21 +84,26 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
-def format_evidence(ev: Mapping) -> str:
+def format_evidence(ev: Mapping, absent: frozenset[str] = frozenset()) -> str:
     """One candidate's evidence: "cobought 12/0/3; brand 2; category yes" (see evidence_legend).
 
     "cobought" is one word on purpose: a hyphen would make it three tokens on each of the
-    ten candidate lines, and the cpu profile has no tokens to spare under 512.
+    ten candidate lines, and the cpu profile has no tokens to spare under 512. For the same
+    reason a field the catalog lacks (`absent`: "brand", "categories") is left out, not written
+    as 0 on every line.
     """
     recent = "/".join(str(int(c)) for c in ev.get("copurchase_recent", [])) or "0"
-    return (
-        f"cobought {recent}; brand {int(ev.get('brand_match_count', 0))}; "
-        f"category {_yes(bool(ev.get('leaf_category_match', False)))}"
-    )
+    parts = [f"cobought {recent}"]
+    if "brand" not in absent:
+        parts.append(f"brand {int(ev.get('brand_match_count', 0))}")
+    if "categories" not in absent:
+        parts.append(f"category {_yes(bool(ev.get('leaf_category_match', False)))}")
+    return "; ".join(parts)
 
 
+# brand and category are optional: format_evidence leaves out what the catalog lacks.
 _EVIDENCE_LINE = re.compile(
-    r"^(\d+)\.\S.*; ?cobought ([\d/]+); brand (\d+); category (yes|no)$", re.M)
+    r"^(\d+)\.\S.*; ?cobought ([\d/]+)(?:; brand (\d+))?(?:; category (yes|no))?$", re.M)
 
 
 def parse_candidate_evidence(user_text: str, n_candidates: int) -> list[dict]:
@@ -108,7 +117,7 @@ def parse_candidate_evidence(user_text: str, n_candidates: int) -> list[dict]:
     for m in _EVIDENCE_LINE.finditer(user_text):
         found[int(m.group(1))] = {
             "copurchase_recent": [int(x) for x in m.group(2).split("/") if x != ""],
-            "brand_match_count": int(m.group(3)),
+            "brand_match_count": int(m.group(3) or 0),
             "leaf_category_match": m.group(4) == "yes",
         }
     missing = [k for k in range(1, n_candidates + 1) if k not in found]
@@ -118,13 +127,15 @@ def parse_candidate_evidence(user_text: str, n_candidates: int) -> list[dict]:
     return [found[k] for k in range(1, n_candidates + 1)]
 
 
-def evidence_legend(window: int = 1) -> str:
+def evidence_legend(window: int = 1, absent: frozenset[str] = frozenset()) -> str:
     """Stated once per prompt so each candidate line can stay terse."""
     after = "right after" if window == 1 else f"within {window} purchases after"
-    return (
-        f"cobought: times other users bought it {after} each of the user's last 3 items, "
-        "newest first; brand: same-brand items in history; category: its category is in history."
-    )
+    parts = [f"cobought: times other users bought it {after} each of the user's last 3 items, newest first"]
+    if "brand" not in absent:
+        parts.append("brand: same-brand items in history")
+    if "categories" not in absent:
+        parts.append("category: its category is in history")
+    return "; ".join(parts) + "."
 
 
 def render_prompt_messages(
@@ -157,22 +168,23 @@ def render_prompt_messages(
         raise ValueError(f"{len(evidence)} evidence entries for {len(candidates)} candidates")
     meta = as_item_meta(items_meta)
     empty = ItemMeta("", "", ())
+    absent = absent_fields(meta)
 
     shown = list(history)[-h:]
     lines = [f"History (oldest first, {len(shown)} of {len(history)}):"]
     # No space before a SID: it would cost one extra token per line (the space stands alone
     # next to an added token).
-    lines += [_joined(sids.sid_string(i), _item_text(meta.get(i, empty), prof)) for i in shown]
+    lines += [_joined(sids.sid_string(i), _item_text(meta.get(i, empty), prof, absent)) for i in shown]
     if not shown:
         lines.append("none")
     header = "Candidates (retriever order)."
     if evidence is not None and prof.legend:
-        header += " " + evidence_legend(int(evidence[0].get("window", 1)))
+        header += " " + evidence_legend(int(evidence[0].get("window", 1)), absent)
     lines.append(header)
     for rank, cand in enumerate(candidates, start=1):
-        line = f"{rank}." + _joined(sids.sid_string(cand), _item_text(meta.get(cand, empty), prof))
+        line = f"{rank}." + _joined(sids.sid_string(cand), _item_text(meta.get(cand, empty), prof, absent))
         if evidence is not None:
-            line += "; " + format_evidence(evidence[rank - 1])
+            line += "; " + format_evidence(evidence[rank - 1], absent)
         lines.append(line)
     lines.append(f"Rank all {len(candidates)} candidates.")
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "\n".join(lines)}]

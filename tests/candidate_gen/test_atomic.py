@@ -31,9 +31,62 @@ def test_empty_file(tmp_path):
 
 
 def test_missing_required_column(tmp_path):
-    p = write(tmp_path, "a.inter", "user_id:token\titem_id:token\nu\ti\n")
-    with pytest.raises(AtomicFormatError, match=r"a.inter: line 1: missing required column 'timestamp'"):
+    p = write(tmp_path, "a.inter", "user_id:token\ttimestamp:float\nu\t1\n")
+    with pytest.raises(AtomicFormatError, match=r"a.inter: line 1: missing required column 'item_id'"):
         load_interactions(p)
+
+
+def test_without_timestamps_sequences_follow_file_order_with_one_note(tmp_path, caplog):
+    from candidate_gen.split import build_sequences
+
+    rows = "u1\ti3\nu2\ti1\nu1\ti1\nu1\ti2\n"
+    bare = write(tmp_path, "bare.inter", "user_id:token\titem_id:token\n" + rows)
+    tied = write(tmp_path, "tied.inter", HEADER + rows.replace("\n", "\t7\n"))
+    for p in (bare, tied):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="candidate_gen.atomic"):
+            inter = load_interactions(p)
+        assert build_sequences(inter) == {"u1": ["i3", "i1", "i2"], "u2": ["i1"]}
+        notes = [r.getMessage() for r in caplog.records]
+        assert len(notes) == 1 and "sequence follows the order of the rows" in notes[0], notes
+    with caplog.at_level(logging.INFO, logger="candidate_gen.atomic"):
+        caplog.clear()
+        load_interactions(write(tmp_path, "real.inter", HEADER + "u1\ti1\t1\nu1\ti2\t1\nu1\ti3\t2\n"))
+    assert not caplog.records  # ties among real timestamps are normal: no note
+
+
+def test_byte_order_mark_is_dropped(tmp_path):
+    """Spreadsheet exports start with a UTF-8 BOM; it used to glue itself to the first column's name
+    and report a missing 'user_id' that is plainly in the header."""
+    p = tmp_path / "a.inter"
+    p.write_bytes(b"\xef\xbb\xbf" + (HEADER + "u1\ti1\t10\n").encode())
+    assert load_interactions(p).users == ["u1"]
+    q = tmp_path / "a.item"
+    q.write_bytes(b"\xef\xbb\xbfitem_id:token\ttitle:token_seq\r\ni1\tRed\r\n")
+    assert load_items(q).titles == {"i1": "Red"}
+
+
+def test_invalid_utf8_names_file_line_and_column(tmp_path):
+    p = tmp_path / "a.item"
+    p.write_bytes(b"item_id:token\ttitle:token_seq\ni1\tRed\ni2\tCr\xe8me\n")
+    with pytest.raises(AtomicFormatError, match=r"a.item: line 3: column 6: byte 0xe8 is not valid UTF-8"):
+        load_items(p)
+    p.write_bytes(b"\xff" + HEADER.encode())
+    with pytest.raises(AtomicFormatError, match=r"a.item: line 1: column 1: byte 0xff"):
+        load_items(p)
+
+
+def test_repeated_header_row_is_an_error_naming_the_line(tmp_path):
+    """Concatenated files repeat the header; read as data it became an item called 'item_id:token'."""
+    item_header = "item_id:token\ttitle:token_seq\n"
+    p = write(tmp_path, "a.item", item_header + "i1\tRed\n" + item_header + "i2\tBlue\n")
+    with pytest.raises(AtomicFormatError, match=r"a.item: line 3: repeats the header row"):
+        load_items(p)
+    q = write(tmp_path, "a.inter", HEADER + "u1\ti1\t10\n\n" + HEADER)
+    with pytest.raises(AtomicFormatError, match=r"a.inter: line 4: repeats the header row"):
+        load_interactions(q)
+    # A value that merely contains a colon is data.
+    assert load_items(write(tmp_path, "b.item", item_header + "i1\tRatio 1:2\n")).titles == {"i1": "Ratio 1:2"}
 
 
 def test_unparsable_number_names_line_and_field(tmp_path):

@@ -2,6 +2,7 @@
 import json
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +34,74 @@ def test_replace_dir_and_write_dir_atomically_swap_whole_directories(tmp_path):
     write_dir_atomically(dst, lambda d: (d.mkdir(), (d / "third.txt").write_text("3")))
     assert os.listdir(dst) == ["third.txt"]
     assert sorted(os.listdir(tmp_path)) == ["model"]  # no .tmp- or .old- directories left
+
+
+_KILLED_MID_SAVE = """
+import os, signal, sys
+from candidate_gen.files import write_dir_atomically
+
+def save(d):
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"half")
+    os.kill(os.getpid(), signal.SIGKILL)  # as a machine loss would: no finally, no cleanup
+
+write_dir_atomically(sys.argv[1], save)
+"""
+
+
+def _killed_save(dst) -> list[str]:
+    """Names beside `dst` after a writer of `dst` was SIGKILLed mid-save."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, "-c", _KILLED_MID_SAVE, str(dst)], cwd=repo,
+                         env={**os.environ, "PYTHONPATH": str(repo)}, capture_output=True, text=True)
+    assert res.returncode == -9, res.stderr
+    return sorted(os.listdir(dst.parent))
+
+
+def test_a_save_killed_midway_leaves_a_temp_dir_that_the_next_write_removes(tmp_path):
+    """A kill during a stage's best-model save left `.model.partial.tmp-*` behind for good."""
+    dst = tmp_path / "model.partial"
+    left = _killed_save(dst)
+    assert len(left) == 1 and left[0].startswith(".model.partial.tmp-"), left
+    write_dir_atomically(dst, lambda d: (d.mkdir(), (d / "w.txt").write_text("1")))
+    assert sorted(os.listdir(tmp_path)) == ["model.partial"]
+    # The stage finishes without another save: promoting `<out>.partial` to `<out>` sweeps it too.
+    _killed_save(dst)
+    assert replace_dir(dst, tmp_path / "model") == tmp_path / "model"
+    assert sorted(os.listdir(tmp_path)) == ["model"]
+
+
+def test_sweep_keeps_what_a_live_process_is_writing(tmp_path):
+    dst = tmp_path / "m"
+    mine = tmp_path / f".m.tmp-{os.getpid()}-0123abcd"  # this process: live
+    legacy = tmp_path / ".m.tmp-89abcdef"  # the name had no pid before
+    other = tmp_path / ".other.tmp-89abcdef"
+    for d in (mine, legacy, other):
+        d.mkdir()
+    assert files.sweep_stale_siblings(dst) == [legacy]
+    assert sorted(os.listdir(tmp_path)) == sorted([mine.name, other.name])
+
+
+def test_a_save_that_raises_leaves_no_temp_dir(tmp_path):
+    def save(d):
+        d.mkdir()
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        write_dir_atomically(tmp_path / "m", save)
+    assert os.listdir(tmp_path) == []
+
+
+def test_read_text_lines_drops_a_bom_and_names_the_line_of_a_bad_byte(tmp_path):
+    p = tmp_path / "t.txt"
+    p.write_bytes(b"\xef\xbb\xbfa\r\nb\rc\n")
+    assert files.read_text_lines(p) == ["a\n", "b\n", "c\n"]
+    p.write_bytes(b"ok\n\xef\xbb\xbfstill ok\nbad \xc3(\n")
+    with pytest.raises(KeyError, match=r"t.txt: line 3: column 5: byte 0xc3 is not valid UTF-8"):
+        files.read_text_lines(p, KeyError)
 
 
 def test_jsonl_round_trip_skips_blank_lines_and_keeps_unicode(tmp_path):
@@ -75,6 +144,15 @@ def test_iter_jsonl_raises_the_callers_error_class(tmp_path):
     path.write_text("{bad\n")
     with pytest.raises(TraceError, match="t.jsonl:1: invalid JSON"):
         list(iter_jsonl(path, error=TraceError))
+
+
+def test_iter_jsonl_names_the_line_of_a_bad_byte_and_drops_a_bom(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"a": 1}\r\n\n{"t": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"t.jsonl:3: column 11: byte 0xe9 is not valid UTF-8"):
+        list(iter_jsonl(path))
+    path.write_bytes(b'\xef\xbb\xbf{"a": 1}\r\n\n{"t": "caf\xc3\xa9"}\n')
+    assert list(iter_jsonl(path)) == [(1, {"a": 1}), (3, {"t": "café"})]
 
 
 def test_write_result_records_command_commit_and_date(tmp_path, monkeypatch):

@@ -20,3 +20,8 @@ def test_k_core_iterates_until_stable():
     seqs = {"u1": ["a", "b", "c"], "u2": ["a", "b", "c"], "u3": ["a", "d", "c"]}
     # d occurs once -> dropped; then u3 has 2 items -> dropped; a,b,c still have 2 users.
     assert k_core(seqs, user_k=3, item_k=2) == {"u1": ["a", "b", "c"], "u2": ["a", "b", "c"]}
+
+
+def test_all_ties_keep_file_order_per_user():
+    inter = Interactions(["u", "v", "u", "v", "u"], ["c", "z", "a", "y", "b"], [0.0] * 5)
+    assert build_sequences(inter) == {"u": ["c", "a", "b"], "v": ["z", "y"]}

@@ -34,3 +34,21 @@ def test_loadable_and_has_structure(tiny_catalog):
 def test_scales_up():
     users, items, times, table = generate(SyntheticConfig(n_users=3000, seed=1))
     assert len(set(users)) == 3000 and len(table) >= 1500
+
+
+def test_variants_lack_brand_titles_or_timestamps_and_keep_the_sequences(tmp_path, tiny_catalog):
+    """The variants change only what they remove: with every timestamp tied, or no timestamp
+    column, file order gives each user the same sequence the real timestamps give."""
+    full = filter_sequences(load_interactions(find_atomic_file(tiny_catalog, "inter"))).by_user
+    for stamps in ("tied", "none"):
+        d = write_synthetic(tmp_path / stamps, SyntheticConfig(n_users=300, seed=3, brand_column=False, titles=False,
+                                                               timestamps=stamps), name="tiny")
+        header = (d / "tiny.inter").read_text().splitlines()[0]
+        assert ("timestamp" in header) == (stamps == "tied")
+        inter = load_interactions(d / "tiny.inter")
+        assert set(inter.timestamps) == {0.0}
+        assert filter_sequences(inter).by_user == full
+    items = load_items(d / "tiny.item")
+    assert (d / "tiny.item").read_text().splitlines()[0] == "item_id:token\ttitle:token_seq\tcategories:token_seq"
+    assert set(items.titles.values()) == {""} and set(items.brands.values()) == {""}
+    assert items.categories == load_items(find_atomic_file(tiny_catalog, "item")).categories

@@ -47,6 +47,34 @@ def test_save_load_roundtrip(tmp_path):
     assert not any(n.startswith(".") for n in os.listdir(tmp_path))
 
 
+@pytest.mark.parametrize("damage", ["garbage", "cut short", "empty"])
+def test_a_damaged_weight_file_is_one_line_naming_it(tmp_path, damage, capsys):
+    """It used to be a 29-line traceback through transformers that never named the file."""
+    import re
+
+    from integration.cli import main
+    from reranker.model import ModelDirError
+
+    tok = tiny_tokenizer()
+    out = save_model(build_model(len(tok), "tiny", pad_token_id=0, eos_token_id=1), tok, tmp_path / "m")
+    weights = out / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes({"garbage": b"not weights " * 50, "cut short": data[:-100], "empty": b""}[damage])
+    with pytest.raises(ModelDirError, match=rf"^{re.escape(str(weights))}: not a readable safetensors file \("):
+        load_model(out)
+    assert main(["convert", "--from", str(out), "--to", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dgr2 convert: error: {weights}: ") and err.count("\n") == 1, err
+
+
+def test_a_directory_without_config_is_named(tmp_path):
+    from reranker.model import ModelDirError
+
+    (tmp_path / "m").mkdir()
+    with pytest.raises(ModelDirError, match=r"m: not a model directory \(no config.json\)"):
+        load_model(tmp_path / "m")
+
+
 def test_resize_for_tokenizer():
     tok = tiny_tokenizer()
     model = build_model(len(tok), "tiny")

@@ -49,13 +49,14 @@ class HfLlmTeacher(Teacher):
                  tries_per_batch: int | None = None, temperature: float = 0.8, top_p: float = 0.95,
                  max_new_tokens: int = 384, profile: str = "full", seed: int = 0, device: str | None = None,
                  dtype=None):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
+
+        from reranker.model import load_model
 
         if max_tries < 1:
             raise ValueError(f"max_tries must be >= 1, got {max_tries}")
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-        kwargs = {"local_files_only": True, **({"dtype": dtype} if dtype is not None else {})}
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs).eval()
+        self.model = load_model(model_dir, dtype=dtype).eval()
         if device is not None:
             self.model.to(device)
         if self.tokenizer.eos_token_id is None:

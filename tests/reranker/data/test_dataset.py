@@ -340,3 +340,41 @@ def test_scan_retrace_picks_the_copurchase_baselines_head(retrieval, built, tmp_
     assert report["trace_style"] == "scan" and report["tokens"]["reasoning"]["mean"] > 30
     with pytest.raises(ValueError, match="retrace writes one of"):
         retrace_data(out, tmp_path / "x", style="long", progress=False)
+
+
+def test_a_catalog_without_any_item_text_builds_and_serves_the_same_prompts(retrieval, tmp_path, caplog):
+    """An .item file of bare ids: every content embedding is zero, so the semantic IDs come from the
+    retriever's item vectors (k-means on zeros put the whole catalog under one prefix: SIDs that say
+    nothing, and an error beyond 256 items);
+    names and brand/category evidence are left out of the prompts, the same way at serving time."""
+    import logging
+
+    from candidate_gen.atomic import load_items, write_items
+    from reranker.engine import RerankEngine, RerankRequest
+    from reranker.text.prompt import parse_candidate_evidence
+    from reranker.text.sid import SemanticIds
+    from reranker.training.init_model import init_model
+
+    r, items = retrieval
+    bare = tmp_path / "bare.item"
+    write_items(bare, load_items(items), columns=())
+    assert bare.read_text().splitlines()[0] == "item_id:token"
+    out = tmp_path / "data"
+    with caplog.at_level(logging.WARNING, logger="reranker.data.dataset"):
+        report = build_rerank_data(r, bare, out, **BUILD)
+    assert report["absent_item_fields"] == ["title", "brand", "categories"]
+    assert report["sids"]["embedding_method"] == "retriever" and report["sids"]["unique_fraction"] == 1.0
+    notes = [rec.getMessage() for rec in caplog.records]
+    assert len(notes) == 2 and "no item has a title / brand / categories" in notes[0] and "retriever" in notes[1]
+    sids = SemanticIds.load(out / "sids.json")
+    row = load_split(out, "test")[0]
+    lines = row["prompt_messages"][1]["content"].split("\n")
+    shown = row["history"][-8:]
+    assert lines[1:len(shown) + 1] == [sids.sid_string(h) for h in shown]
+    assert lines[-2].startswith(f"{len(row['candidates'])}.{sids.sid_string(row['candidates'][-1])}; cobought ")
+    assert "brand" not in lines[-2] and "category" not in lines[-2]
+    assert len(parse_candidate_evidence("\n".join(lines), len(row["candidates"]))) == len(row["candidates"])
+    engine = RerankEngine.load(init_model(out, tmp_path / "m", size="tiny"), out)
+    for r_ in load_split(out, "test")[:20]:
+        ids = engine.prompt_ids(RerankRequest(r_["history"], r_["candidates"], r_["scores"], r_["user"]))
+        assert ids == engine._encode(r_["prompt_messages"]), r_["user"]

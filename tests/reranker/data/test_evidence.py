@@ -110,3 +110,17 @@ def test_meta_lookup_tolerates_raw_strings_and_nan():
     assert meta["b"] == ItemMeta("T", "", ()) and meta["b"].leaf_category == ""
     with pytest.raises(ValueError, match="lacks column"):
         item_meta_lookup(pd.DataFrame({"item_id": ["a"]}))
+
+
+def test_catalog_knows_the_fields_no_item_has():
+    from reranker.data.evidence import absent_fields, absent_fields_note
+
+    items = pd.DataFrame({"item_id": ["a", "b"], "title": ["", np.nan], "brand": ["", None],
+                          "categories": ["Beauty Lips", np.nan]})
+    meta = item_meta_lookup(items)
+    assert absent_fields(meta) == {"title", "brand"} and meta["a"] == ItemMeta("", "", ("Beauty", "Lips"))
+    note = absent_fields_note(meta, "x.item")
+    assert note.startswith("x.item: no item has a title / brand: ") and "\n" not in note
+    full = item_meta_lookup(items.assign(title="T", brand=["B", ""]))
+    assert absent_fields(full) == frozenset() and absent_fields_note(full, "x.item") is None
+    assert absent_fields({"a": meta["a"]}) == frozenset()  # a plain mapping: nothing known to be absent

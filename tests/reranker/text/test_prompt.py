@@ -129,6 +129,39 @@ def test_compact_profile_keeps_sids_and_evidence_only(world):
     assert parse_candidate_evidence(compact, len(cands)) == parse_candidate_evidence(cpu, len(cands))
 
 
+def test_fields_the_catalog_lacks_are_left_out_and_the_evidence_still_parses(world):
+    """A catalog without brands (or categories) gets no "no brand" on every line, and no brand
+    count: they say nothing and cost tokens under the 512-token budget."""
+    from reranker.text.prompt import parse_candidate_evidence
+
+    sids, items = world["sids"], world["items"]
+    _, history, cands, ev, _, _ = world["examples"][1]
+    full_cpu = render_prompt_messages(history, cands, sids, world["meta"], ev)[1]["content"]
+    no_brand = item_meta_lookup(items.assign(brand=""))
+    assert no_brand.absent == {"brand"}
+    text = render_prompt_messages(history, cands, sids, no_brand, ev)[1]["content"]
+    assert "brand" not in text
+    lines = text.split("\n")
+    for line, item in zip(lines[1:9], history[-8:]):
+        assert line == f"{sids.sid_string(item)} {world['meta'][item].leaf_category.replace('_', ' ')}"
+    assert lines[10].endswith(f"; cobought {'/'.join(map(str, ev[0]['copurchase_recent']))}; category "
+                              f"{'yes' if ev[0]['leaf_category_match'] else 'no'}")
+    legend = render_prompt_messages(history, cands, sids, no_brand, ev, profile="full")[1]["content"]
+    assert "cobought: times" in legend and "brand" not in legend
+    parsed = parse_candidate_evidence(text, len(cands))
+    assert [p["brand_match_count"] for p in parsed] == [0] * len(cands)
+    assert [p["leaf_category_match"] for p in parsed] == [e["leaf_category_match"] for e in ev]
+    bare = item_meta_lookup(items.assign(title="", brand="", categories=[[]] * len(items)))
+    assert bare.absent == {"title", "brand", "categories"}
+    bare_text = render_prompt_messages(history, cands, sids, bare, ev)[1]["content"]
+    assert bare_text.split("\n")[1] == sids.sid_string(history[-8:][0])
+    assert [p["copurchase_recent"] for p in parse_candidate_evidence(bare_text, len(cands))] == \
+        [e["copurchase_recent"] for e in ev]
+    # A full catalog renders exactly as a plain mapping does (nothing absent).
+    assert world["meta"].absent == frozenset()
+    assert full_cpu == render_prompt_messages(history, cands, sids, dict(world["meta"]), ev)[1]["content"]
+
+
 def test_long_names_are_cut_at_word_boundaries():
     sids = SemanticIds({"h": (1, 1, 1, 0), "c": (2, 2, 2, 0)})
     meta = {"h": ItemMeta("", "Debra_Lynn_Professional_Products", ("Creams_&_Moisturizers",)),
