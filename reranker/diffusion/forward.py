@@ -10,7 +10,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from .rules import check_commit_rule
+from reranker.decoding import check_commit_rule  # the one owner of the decode settings
 
 
 def clock(device) -> float:

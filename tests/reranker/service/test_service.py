@@ -34,7 +34,7 @@ def make_service_dirs(root: Path) -> dict:
     """model/ (tiny random Qwen3 + tokenizer), diffusion/ (converted), data/ (sids, build_info),
     retrieval/ (sequences.json) and items.item: everything RerankEngine.load reads."""
     from reranker.diffusion.convert import convert_to_diffusion
-    from reranker.model import build_model, save_model
+    from reranker.model import SIZES, build_model, save_model
     from reranker.text.prompt import render_assistant
     from reranker.text.sid import build_semantic_ids
     from reranker.text.tokenizer import build_tokenizer
@@ -56,7 +56,9 @@ def make_service_dirs(root: Path) -> dict:
     corpus = [render_assistant("brand match and cobought evidence", [sids.sid_string(i) for i in ITEMS[:10]])] * 5
     tok = build_tokenizer(corpus + [f"History Candidates retriever order cobought brand category {t}" for t in ITEMS],
                           vocab_size=400)
-    model = build_model(len(tok), size="tiny", pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0)
+    # tiny, with a context that holds 100 candidates' prompt (the service checks prompts against it)
+    model = build_model(len(tok), size={**SIZES["tiny"], "max_position_embeddings": 4096},
+                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0)
     save_model(model, tok, root / "model")
     convert_to_diffusion(root / "model", root / "diffusion", block_size=4)
     return {"root": root, "model": root / "model", "diffusion": root / "diffusion", "data": root / "data",
@@ -121,7 +123,7 @@ class SlowEngine:
     def known(self, item):
         return item in ITEMS
 
-    def rerank(self, requests, options):
+    def rerank(self, requests, options, prompts=None):
         self.gate.wait(30)
         self.started.append([r.user for r in requests])
         for _ in range(options.max_new_tokens):
@@ -185,7 +187,7 @@ def test_valid_answer_is_reranked_with_reasoning(dirs):
 
 def test_micro_batching_groups_same_options(server):
     with RerankerClient(server.target) as c, ThreadPoolExecutor(6) as pool:
-        same = [pool.submit(c.rerank, ITEMS[k:k + 5], max_new_tokens=8) for k in range(4)]
+        same = [pool.submit(c.rerank, ITEMS[k:k + 5], max_new_tokens=8, decoder="ar") for k in range(4)]
         other = [pool.submit(c.rerank, ITEMS[k:k + 5], max_new_tokens=8, decoder="diffusion") for k in range(2)]
         same, other = [f.result(60) for f in same], [f.result(60) for f in other]
     assert max(r.stats.batch_size for r in same) >= 2  # 100 ms wait: concurrent calls share a decode
@@ -198,8 +200,9 @@ def test_one_unrenderable_request_does_not_fail_its_batch(dirs):
     eng = RerankEngine.load(dirs["model"], dirs["data"])
     short = len(eng.prompt_ids(RerankRequest(history=[], candidates=ITEMS[:3])))
     eng.max_prompt_tokens = short + 40  # 3 candidates fit, 25 do not
-    with BackgroundServer(eng, config(max_batch=4, max_wait_ms=300)) as srv, RerankerClient(srv.target) as c, \
-            ThreadPoolExecutor(2) as pool:
+    # max_candidates above what fits: the prompt check itself must refuse the long one
+    with BackgroundServer(eng, config(max_batch=4, max_wait_ms=300, limits=limits(max_candidates=100))) as srv, \
+            RerankerClient(srv.target) as c, ThreadPoolExecutor(2) as pool:
         srv.warmed.result(60)
         ok = pool.submit(c.rerank, ITEMS[:3], max_new_tokens=4)
         long = pool.submit(code_of, lambda: c.rerank(ITEMS[:25], max_new_tokens=4))
@@ -383,7 +386,7 @@ def test_client_main_prints_json(server, capsys):
     assert client_main(["rerank", "--target", target, "--candidates", "i01,i02,i03", "--scores", "3,2,1",
                         "--history", "i05", "--max-new-tokens", "4", "--top-k", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert len(out["items"]) == 2 and out["stats"]["decoder"] == "ar"
+    assert len(out["items"]) == 2 and out["stats"]["decoder"] == "diffusion"  # what the converted model records
     assert client_main(["rerank", "--target", target, "--candidates", "i01,nope"]) == 1
     assert "INVALID_ARGUMENT: candidates[1].item_id" in capsys.readouterr().err
     assert client_main(["recommend", "--target", target, "--history", "i01"]) == 1
