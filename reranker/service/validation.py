@@ -10,6 +10,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from proto.diffusion_gr2.v1 import reranker_pb2 as pb
 
 from ..decoding import DecodeOptions, DecodeSettingError
@@ -57,6 +59,13 @@ def _check_id(field: str, item: str, limits: ServiceLimits) -> None:
         raise ValidationError(field, f"item id of {len(item)} characters; at most {limits.max_item_id_chars}")
 
 
+def _wire_float(value: float) -> float:
+    """The decimal a client wrote into a proto `float` (32 bits): 0.3 arrives as 0.30000001192...,
+    and decoding with that would compare confidences against another tau than `dgr2 eval --tau 0.3`
+    does. The shortest decimal that rounds to the same float32 is what was meant."""
+    return float(str(np.float32(value)))
+
+
 def validate_options(opts: pb.DecodeOptions, limits: ServiceLimits, diffusion_available: bool,
                      n_candidates: int, defaults: DecodeOptions | None = None) -> tuple[DecodeOptions, int, bool]:
     """(engine DecodeOptions, top_k, return_reasoning) from the proto options: each field set overrides
@@ -73,7 +82,7 @@ def validate_options(opts: pb.DecodeOptions, limits: ServiceLimits, diffusion_av
             raise ValidationError("options.commit_rule", f"unknown value {opts.commit_rule}; use "
                                                          f"COMMIT_RULE_CONFIDENCE or COMMIT_RULE_PREFIX")
         values["commit_rule"] = COMMIT_RULE_NAMES[opts.commit_rule]
-    for name, cast in (("tau", float), ("block_size", int), ("max_new_tokens", int), ("hold_eos", bool)):
+    for name, cast in (("tau", _wire_float), ("block_size", int), ("max_new_tokens", int), ("hold_eos", bool)):
         if opts.HasField(name):
             values[name] = cast(getattr(opts, name))
     max_new = values.get("max_new_tokens")
