@@ -77,11 +77,12 @@ class SASRecReranked(SequentialRecommender):
 
             self.engine = RerankEngine.load(model_dir, _get(config, "rerank_data", None))
         if self.engine is not None:
-            from reranker.decoding import RECORDED
+            from reranker.decoding import RECORDED, resolve
 
-            # one config key per decode setting; the engine resolves them against the model's record
-            self.options = self.engine.decode_options(
-                {name: _get(config, "rerank_" + name, None) for name in (*RECORDED, "block_size")})
+            # one config key per decode setting, over what the model records (an engine without a
+            # record, such as a stand-in, gets the defaults)
+            self.options = resolve({name: _get(config, "rerank_" + name, None) for name in (*RECORDED, "block_size")},
+                                   getattr(self.engine, "recorded", None))
 
     def calculate_loss(self, interaction):
         return self.sasrec.calculate_loss(interaction)

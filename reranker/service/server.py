@@ -70,7 +70,7 @@ def _fallback(n: int, failure: str) -> RerankResult:
 def default_options(engine, limits: ServiceLimits) -> DecodeOptions:
     """What a request that sets nothing decodes with: the server's decode flags over the model's
     recorded settings over the defaults; the budget capped by --max-new-tokens."""
-    resolved = engine.decode_options(limits.decode) if hasattr(engine, "decode_options") else resolve(limits.decode)
+    resolved = resolve(limits.decode, getattr(engine, "recorded", None))  # a stand-in engine records none
     return replace(resolved, max_new_tokens=min(resolved.max_new_tokens, limits.max_new_tokens))
 
 
