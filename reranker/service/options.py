@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from ..decoding import add_decode_flags, check_recorded
+from ..decoding import DecodeOptions, add_decode_flags, check_recorded
 
 # The decode settings a server may set for requests that send none (the rest are the model's).
 SERVER_DECODE_FLAGS = ("decoder", "tau", "commit_rule", "hold_eos", "temperature")
@@ -85,6 +85,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="the most a request may ask for; one that asks none gets the model's recorded budget, "
                         "capped by this")
     p.add_argument("--recommend-candidates", type=int, default=lim.recommend_candidates)
+    builtin = DecodeOptions()
     add_decode_flags(p, SERVER_DECODE_FLAGS,
-                     {n: f"default {n.replace('_', ' ')} for requests that send none; unset: the model's recorded "
-                         f"one, else the built-in default" for n in SERVER_DECODE_FLAGS})
+                     {n: f"{n.replace('_', ' ')} of a request that sets none; unset: the model's recorded one, else "
+                         f"{getattr(builtin, n)}" for n in SERVER_DECODE_FLAGS})
