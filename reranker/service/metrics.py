@@ -5,7 +5,8 @@ share or double-register a metric. The metrics:
 
     dgr2_requests_total{method, code}         RPCs answered, by gRPC status code (OK, INVALID_ARGUMENT, ...)
     dgr2_request_latency_seconds{method}      handler latency, every status
-    dgr2_queue_depth                          requests admitted and not yet answered (waiting or decoding)
+    dgr2_queue_depth                          requests admitted and not yet answered (being prepared,
+                                              waiting or decoding): at most --max-queue
     dgr2_batch_size{decoder}                  requests per batched decode
     dgr2_rerank_results_total{decoder}        requests a decode answered
     dgr2_fallbacks_total{decoder}             of those, answered in the retriever order; the fallback
@@ -31,7 +32,7 @@ class ServiceMetrics:
                                 ["method", "code"], registry=r)
         self.latency = Histogram("dgr2_request_latency_seconds", "handler latency, by method (every status)",
                                  ["method"], buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_depth = Gauge("dgr2_queue_depth", "requests admitted and not yet answered (waiting or decoding)",
+        self.queue_depth = Gauge("dgr2_queue_depth", "requests admitted and not yet answered (at most --max-queue)",
                                  registry=r)
         self.queue_depth.set_function(queue_depth)  # read at scrape time: no bookkeeping to drift
         self.batch_size = Histogram("dgr2_batch_size", "requests per batched decode", ["decoder"],

@@ -111,3 +111,15 @@ def test_pipeline_eval_settings_resolve_against_the_model(tmp_path):
     assert (ar.decoder, ar.commit_rule, ar.hold_eos) == ("ar", DEFAULT_COMMIT_RULE, False)  # AR ignores them
     with pytest.raises(ValueError, match="tau: must be in"):
         _decode_options({"tau": 0}, "diffusion")
+
+
+def test_client_sends_the_new_fields_only_when_given():
+    from proto.diffusion_gr2.v1 import reranker_pb2 as pb
+    from reranker.service.client import decode_options
+
+    none = decode_options()
+    assert none.commit_rule == pb.COMMIT_RULE_UNSPECIFIED and not none.HasField("hold_eos")
+    some = decode_options(decoder="diffusion", commit_rule="prefix", hold_eos=False)
+    assert some.commit_rule == pb.COMMIT_RULE_PREFIX and some.HasField("hold_eos") and some.hold_eos is False
+    with pytest.raises(ValueError, match="commit_rule must be one of"):
+        decode_options(commit_rule="left")

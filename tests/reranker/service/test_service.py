@@ -389,6 +389,9 @@ def test_client_main_prints_json(server, capsys):
                         "--history", "i05", "--max-new-tokens", "4", "--top-k", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["items"]) == 2 and out["stats"]["decoder"] == "diffusion"  # what the converted model records
+    assert client_main(["rerank", "--target", target, "--candidates", "i01,i02,i03", "--max-new-tokens", "4",
+                        "--commit-rule", "prefix", "--hold-eos", "--tau", "0.5"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["decoder"] == "diffusion"
     assert client_main(["rerank", "--target", target, "--candidates", "i01,nope"]) == 1
     assert "INVALID_ARGUMENT: candidates[1].item_id" in capsys.readouterr().err
     assert client_main(["recommend", "--target", target, "--history", "i01"]) == 1
