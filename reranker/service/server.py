@@ -79,7 +79,7 @@ def fitting_candidates(engine, max_new_tokens: int, cap: int = CANDIDATES_CAP) -
     context beside `max_new_tokens`: the default of --max-candidates. Candidates' evidence differs
     in length, so the handler still checks each request's own prompt."""
     sids = getattr(engine, "sids", None)
-    items = list(getattr(sids, "item_ids", None) or [])
+    items = list(getattr(sids, "item_ids", ()))
     if not hasattr(engine, "prompt_ids") or len(items) < 2:
         return cap
     history, pool = items[-1:], items[:-1]
@@ -122,6 +122,9 @@ class RerankerService(pb_grpc.RerankerServicer):
         self.health = health.aio.HealthServicer()
         self.batcher = MicroBatcher(self._decode_batch, max_batch, max_wait_ms, max_queue)
         self.metrics = ServiceMetrics(lambda: self.batcher.admitted)
+        # Prompts render on their own thread: the event loop stays free to refuse and answer while a
+        # long prompt tokenizes, and one thread keeps renders (the tokenizer) in arrival order.
+        self._render_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rerank-render")
         self.draining = False
         self._active = 0
         self._idle = asyncio.Event()
@@ -226,7 +229,8 @@ class RerankerService(pb_grpc.RerankerServicer):
         if render is None:
             return
         try:
-            prep.prompt_ids = render(prep.request, prep.options.max_new_tokens)
+            prep.prompt_ids = await asyncio.get_running_loop().run_in_executor(
+                self._render_pool, render, prep.request, prep.options.max_new_tokens)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"candidates: the model cannot take this request: {e}")
 
@@ -377,6 +381,7 @@ class RunningServer:
         # decode thread abandon its batch), and stop /metrics meanwhile (its shutdown polls at 0.5 s).
         await asyncio.gather(self.server.stop(grace=STOP_GRACE_S), asyncio.to_thread(svc.metrics.close))
         await svc.batcher.close()
+        svc._render_pool.shutdown(wait=False, cancel_futures=True)
         log.info("stopped")
 
     async def wait(self) -> None:
