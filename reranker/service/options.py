@@ -24,7 +24,7 @@ class ServiceLimits:
     max_message_bytes: int = 1 << 20  # checked in the handler (INVALID_ARGUMENT); gRPC's own cap is 4x
     max_item_id_chars: int = 256
     max_new_tokens: int = 320  # the most a request may ask for (and the cap on the default budget)
-    recommend_candidates: int = 10  # Recommend's default number of retrieved candidates
+    recommend_candidates: int = 10  # Recommend's default number of retrieved candidates (at most max_candidates)
     # decode settings for requests that send none, over the model's recorded ones (SERVER_DECODE_FLAGS)
     decode: dict = field(default_factory=dict)
 
@@ -84,7 +84,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=lim.max_new_tokens,
                    help="the most a request may ask for; one that asks none gets the model's recorded budget, "
                         "capped by this")
-    p.add_argument("--recommend-candidates", type=int, default=lim.recommend_candidates)
+    p.add_argument("--recommend-candidates", type=int, default=lim.recommend_candidates,
+                   help="how many a Recommend request that asks none retrieves (at most --max-candidates)")
     builtin = DecodeOptions()
     add_decode_flags(p, SERVER_DECODE_FLAGS,
                      {n: f"{n.replace('_', ' ')} of a request that sets none; unset: the model's recorded one, else "

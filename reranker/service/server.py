@@ -319,7 +319,7 @@ class RerankerService(pb_grpc.RerankerServicer):
         if len(request.user_id) > self.limits.max_item_id_chars:
             raise ValidationError("user_id", f"{len(request.user_id)} characters; at most "
                                              f"{self.limits.max_item_id_chars}")
-        n = request.num_candidates or self.limits.recommend_candidates
+        n = request.num_candidates or min(self.limits.recommend_candidates, self.limits.max_candidates)
         if n > self.limits.max_candidates:
             raise ValidationError("num_candidates", f"{n}; at most {self.limits.max_candidates}")
         history, truncated = truncate_history(request.history, self.limits)

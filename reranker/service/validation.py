@@ -118,7 +118,7 @@ def validate_rerank(req: pb.RerankRequest, known: Callable[[str], bool], limits:
     n = len(req.candidates)
     if n == 0:
         raise ValidationError("candidates", "empty; send at least one candidate")
-    if n > limits.max_candidates:
+    if limits.max_candidates is not None and n > limits.max_candidates:  # None: the server derives it at start
         raise ValidationError("candidates", f"{n} candidates; at most {limits.max_candidates}")
     seen: dict[str, int] = {}
     ids, scores = [], []
