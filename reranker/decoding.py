@@ -199,6 +199,7 @@ def add_decode_flags(parser: argparse.ArgumentParser, names=FLAGS, help_override
             parser.add_argument(flag, type=types[name], default=None, help=helps[name])
 
 
-def explicit_from_args(args: argparse.Namespace) -> dict:
-    """The decode settings given on the command line (those add_decode_flags added and the user set)."""
-    return {k: getattr(args, k) for k in FLAGS if getattr(args, k, None) is not None}
+def explicit_from_args(args: argparse.Namespace, names=FLAGS) -> dict:
+    """The decode settings in `names` given on the command line (add_decode_flags's, set by the user).
+    Pass the names the command added: another flag may share a name (convert's --block-size)."""
+    return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}

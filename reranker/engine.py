@@ -6,9 +6,9 @@ does not parse to a valid permutation returns the retriever order with `fallback
 
 It needs a model directory (HF causal LM + tokenizer; a converted model carries its diffusion
 fields in config.json, and a model may record the decode settings it was trained for, which a
-caller that sends none gets: reranker.decoding) and a re-ranking data directory (`dgr2 data build`): the item <-> SID map,
-and, through build_info.json, the retrieval artifacts and item file from which the collaborative
-evidence (co-purchase counts on the training split) is rebuilt.
+caller that sends none gets: reranker.decoding) and a re-ranking data directory (`dgr2 data
+build`): the item <-> SID map, and, through build_info.json, the retrieval artifacts and item file
+from which the collaborative evidence (co-purchase counts on the training split) is rebuilt.
 """
 from __future__ import annotations
 

@@ -10,6 +10,9 @@ from reranker.decoding import add_decode_flags
 from ..config import load_config, section
 from .common import json_arg
 
+# the decode settings `dgr2 convert` can record beside decoder "diffusion" (--block-size is the conversion's own)
+CONVERT_RECORDS = ("tau", "commit_rule", "hold_eos", "max_new_tokens")
+
 
 def cmd_model_init(args) -> int:
     from reranker.training.init_model import init_model
@@ -53,7 +56,8 @@ def cmd_convert(args) -> int:
 
     from reranker.decoding import explicit_from_args
 
-    convert_to_diffusion(args.src, args.dst, block_size=args.block_size, decode=explicit_from_args(args))
+    convert_to_diffusion(args.src, args.dst, block_size=args.block_size,
+                         decode=explicit_from_args(args, CONVERT_RECORDS))
     print(f"converted {args.src} -> {args.dst} (block size {args.block_size})")
     return 0
 
@@ -65,8 +69,9 @@ def cmd_model_decode_settings(args) -> int:
 
     path = Path(args.model) / "config.json"
     settings = recorded_in(args.model)  # checks the file first: an error names it
-    settings = check_recorded({**settings, **explicit_from_args(args)}, str(path))
-    if explicit_from_args(args):
+    given = explicit_from_args(args, RECORDED_FLAGS)
+    settings = check_recorded({**settings, **given}, str(path))
+    if given:
         config = json.loads(path.read_text(encoding="utf-8"))
         config[MODEL_CONFIG_KEY] = settings
         atomic_write_json(path, config)
@@ -119,7 +124,6 @@ def add_convert(sub) -> None:
     c.add_argument("--from", dest="src", required=True)
     c.add_argument("--to", dest="dst", required=True)
     c.add_argument("--block-size", type=int, default=32)
-    add_decode_flags(c, ("tau", "commit_rule", "hold_eos", "max_new_tokens"),
-                     {n: f"record this {n.replace('_', ' ')} as the converted model's (decoder: diffusion)"
-                      for n in ("tau", "commit_rule", "hold_eos", "max_new_tokens")})
+    add_decode_flags(c, CONVERT_RECORDS, {n: f"record this {n.replace('_', ' ')} as the converted model's "
+                                             f"(decoder: diffusion)" for n in CONVERT_RECORDS})
     c.set_defaults(func=cmd_convert)

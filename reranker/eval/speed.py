@@ -360,8 +360,8 @@ def speedup_ceiling(fc: dict, length: int, steps_per_block=(1, 2)) -> dict:
 
 # ------------------------------------------------------------------------------------------ accuracy
 
-def accuracy_points(engine_ar, engine_diff, examples, taus, block_size=None, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, batch_size=8,
-                    progress=False, commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False) -> dict:
+def accuracy_points(engine_ar, engine_diff, examples, taus, block_size=None, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
+                    batch_size=8, progress=False, commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False) -> dict:
     """Recall@1/@3, NDCG@3, valid rate of AR and of diffusion at each tau (reranker.eval.evaluate on
     `examples`), with the paired bootstrap CI of each diffusion point against AR."""
     from reranker.engine import DecodeOptions
@@ -392,9 +392,9 @@ def accuracy_points(engine_ar, engine_diff, examples, taus, block_size=None, max
 # -------------------------------------------------------------------------------------------- harness
 
 def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES, taus=DEFAULT_TAUS,
-                  block_size=None, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, repeats=5, warmup=1, threads=None, eos_token_id=None,
-                  pad_token_id=None, mask_token_id=None, max_steps_per_block=None, lengths=DEFAULT_LENGTHS,
-                  length_taus=DEFAULT_LENGTH_TAUS, length_batch_sizes=None, forward_blocks=DEFAULT_FORWARD_BLOCKS,
+                  block_size=None, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, repeats=5, warmup=1, threads=None,
+                  eos_token_id=None, pad_token_id=None, mask_token_id=None, max_steps_per_block=None,
+                  lengths=DEFAULT_LENGTHS, length_taus=DEFAULT_LENGTH_TAUS, length_batch_sizes=None, forward_blocks=DEFAULT_FORWARD_BLOCKS,
                   forward_iters=20, context=None, accuracy=None, accuracy_batch_size=8, progress=None,
                   commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False) -> dict:
     """Side-by-side decode speed of AR (`ar_model`) and block diffusion (`diff_model`) on `prompts`

@@ -54,8 +54,10 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Reranker"].full_name  # "diffusio
 # gRPC itself refuses messages this many times larger than the handler's limit (RESOURCE_EXHAUSTED);
 # between the two, the handler answers INVALID_ARGUMENT naming the field "request".
 TRANSPORT_HEADROOM = 4
-# After the drain grace, how long gRPC may take to send the cancelled calls their status.
-STOP_GRACE_S = 0.2
+# How long gRPC's stop may take after the drain: to send the answers of calls that finished (at
+# least), or to send CANCELLED to calls the grace cut. Both keep the exit within grace + 1 s.
+SEND_GRACE_S = 0.5
+CANCEL_GRACE_S = 0.1
 
 
 class _Abandoned(Exception):
@@ -191,7 +193,8 @@ class RerankerService(pb_grpc.RerankerServicer):
         decoders = ["ar"] + (["diffusion"] if self.diffusion_available else [])
         for decoder in decoders:  # with the default settings, so the default path is the warm one
             self.engine.rerank([RerankRequest(history=items[:1], candidates=items)],
-                               replace(self.defaults, decoder=decoder, max_new_tokens=min(8, self.limits.max_new_tokens)))
+                               replace(self.defaults, decoder=decoder,
+                                       max_new_tokens=min(8, self.limits.max_new_tokens)))
 
     # ---- event loop ------------------------------------------------------------------------
     async def set_serving(self, serving: bool) -> None:
@@ -232,7 +235,8 @@ class RerankerService(pb_grpc.RerankerServicer):
             prep.prompt_ids = await asyncio.get_running_loop().run_in_executor(
                 self._render_pool, render, prep.request, prep.options.max_new_tokens)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"candidates: the model cannot take this request: {e}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"candidates: the model cannot take this request: {e}")
 
     async def _run(self, prep: Prepared, context, admission: Admission) -> pb.RerankResponse:
         remaining = context.time_remaining()
@@ -373,13 +377,20 @@ class RunningServer:
         grace = self.config.drain_grace_s if grace_s is None else grace_s
         await svc.health.enter_graceful_shutdown()  # NOT_SERVING everywhere, and it stays so
         log.info("draining: %d request(s) in flight, up to %.0f s", svc._active, grace)
+        end = time.monotonic() + grace
         try:
             await asyncio.wait_for(svc._idle.wait(), grace)
+            # Every handler returned; their answers may still be on the way out. gRPC's stop returns
+            # once they are sent, so the wait is bounded by what is left of the grace (at least
+            # SEND_GRACE_S), not spent.
+            stop_grace = max(SEND_GRACE_S, end - time.monotonic())
         except asyncio.TimeoutError:
             log.warning("drain grace of %.1f s passed with %d request(s) still in flight", grace, svc._active)
-        # The in-flight calls had their grace: cancel what is left now (their callers leaving lets the
-        # decode thread abandon its batch), and stop /metrics meanwhile (its shutdown polls at 0.5 s).
-        await asyncio.gather(self.server.stop(grace=STOP_GRACE_S), asyncio.to_thread(svc.metrics.close))
+            # The in-flight calls had their grace: cancel them now (their callers leaving lets the
+            # decode thread abandon its batch).
+            stop_grace = CANCEL_GRACE_S
+        # /metrics stops meanwhile (its shutdown polls every 0.5 s)
+        await asyncio.gather(self.server.stop(grace=stop_grace), asyncio.to_thread(svc.metrics.close))
         await svc.batcher.close()
         svc._render_pool.shutdown(wait=False, cancel_futures=True)
         log.info("stopped")
@@ -596,7 +607,7 @@ def _exit_now(code: int) -> None:
 def serve_from_args(args: argparse.Namespace) -> int:
     from ..decoding import explicit_from_args
 
-    decode = {k: v for k, v in explicit_from_args(args).items() if k in SERVER_DECODE_FLAGS}
+    decode = explicit_from_args(args, SERVER_DECODE_FLAGS)  # --max-new-tokens is a limit here, not a setting
     limits = ServiceLimits(max_candidates=args.max_candidates, max_history=args.max_history,
                            max_message_bytes=args.max_message_bytes, max_new_tokens=args.max_new_tokens,
                            recommend_candidates=args.recommend_candidates, decode=decode)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from proto.diffusion_gr2.v1 import reranker_pb2 as pb
-from reranker.engine import RerankEngine, RerankRequest, RerankResult
+from reranker.engine import DecodeOptions, RerankEngine, RerankRequest, RerankResult
 from reranker.service.client import RerankerClient, client_main, rerank_request
 from reranker.service.server import BackgroundServer, ServerConfig, serve
 from reranker.service.validation import ServiceLimits
@@ -593,6 +593,19 @@ def test_grpc_rankings_equal_eval_outputs(dirs, tmp_path):
         assert [t for _, ts in seen for t in ts] == [w["text"] for w in expected]
         texts.append([w["text"] for w in expected])
     assert texts[1] != texts[2] and texts[2] == texts[3]  # the rule changes the decode; the record is used
+
+
+def test_convert_records_the_decode_settings(dirs, tmp_path):
+    from integration.cli import main
+    from reranker.decoding import recorded_in
+
+    assert recorded_in(dirs["model"]) == {} and recorded_in(dirs["diffusion"]) == {"decoder": "diffusion"}
+    out = tmp_path / "converted"
+    assert main(["convert", "--from", str(dirs["model"]), "--to", str(out), "--block-size", "4",
+                 "--commit-rule", "prefix", "--no-hold-eos"]) == 0  # --block-size is the conversion's own
+    assert recorded_in(out) == {"decoder": "diffusion", "commit_rule": "prefix", "hold_eos": False}
+    assert RerankEngine.load(out, dirs["data"]).decode_options({"tau": 0.5}) == DecodeOptions(
+        decoder="diffusion", commit_rule="prefix", tau=0.5)
 
 
 # ---- probes: refusals before work, the context limit, drain time, metrics ---------------------------
