@@ -46,9 +46,10 @@ class DecodeSettingError(ValueError):
 
 
 def check_commit_rule(rule, name="commit rule") -> None:
-    """The one check of a commit-rule setting; `name` is what the error calls it."""
+    """The one check of a commit-rule setting (DecodeOptions.validate, the decoder, the stages'
+    configs); `name` is what the error calls it."""
     if rule not in COMMIT_RULES:
-        raise ValueError(f"{name} must be one of {COMMIT_RULES}, got {rule!r}")
+        raise DecodeSettingError(name, f"must be one of {COMMIT_RULES}, got {rule!r}")
 
 
 @dataclass
@@ -83,8 +84,7 @@ class DecodeOptions:
             bad("max_steps_per_block", f"must be an integer >= 1 or unset, got {self.max_steps_per_block!r}")
         if not _is_int(self.seed):
             bad("seed", f"must be an integer, got {self.seed!r}")
-        if self.commit_rule not in COMMIT_RULES:
-            bad("commit_rule", f"must be one of {COMMIT_RULES}, got {self.commit_rule!r}")
+        check_commit_rule(self.commit_rule, prefix + "commit_rule")
         if not isinstance(self.hold_eos, bool):
             bad("hold_eos", f"must be true or false, got {self.hold_eos!r}")
         return self
