@@ -15,11 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
+from reranker.decoding import DECODERS
 from reranker.eval.metrics import paired_bootstrap, per_user
 
 from .config import retrieval_settings, section
-
-DECODERS = ("ar", "diffusion")
 
 
 def parse_reranker(spec: str) -> tuple[str, str, str]:
@@ -63,8 +62,8 @@ def _retrieval_artifacts(cfg: dict, data_override) -> tuple[Path, str, Path, dic
 
 
 def run_e2e(cfg: dict, rerankers: list[tuple[str, str, str]], n_users: int | None, seed: int, batch_size: int,
-            tau: float, data_override=None, progress=True, commit_rule: str = "confidence",
-            hold_eos: bool = False) -> dict:
+            tau: float | None = None, data_override=None, progress=True, commit_rule: str | None = None,
+            hold_eos: bool | None = None) -> dict:
     """Evaluate SASRec alone, then SASRec + each re-ranker (name, model dir, "ar" | "diffusion"),
     with RecBole's `Trainer.evaluate` on the retrieval stage's dataset and checkpoint.
 
@@ -73,7 +72,8 @@ def run_e2e(cfg: dict, rerankers: list[tuple[str, str, str]], n_users: int | Non
     the sampled users' interactions before the dataloaders are built. SASRec's prediction for a user
     depends only on that user's own sequence (and the masking only on that user's own history), and
     the item catalogue is unchanged, so this is exactly the full evaluation restricted to those users.
-    Every row uses the same sample.
+    Every row uses the same sample. tau, commit_rule, hold_eos (diffusion rows): None is each
+    model's recorded setting (reranker.decoding); a row records what it decoded with.
     """
     from tqdm.auto import tqdm
 
@@ -106,7 +106,7 @@ def run_e2e(cfg: dict, rerankers: list[tuple[str, str, str]], n_users: int | Non
                         rerank_data=str(rerank_data), rerank_top_n=10, rerank_batch_size=batch_size,
                         rerank_tau=tau, rerank_commit_rule=commit_rule, rerank_hold_eos=hold_eos,
                         rerank_block_size=ev.get("block_size"),
-                        rerank_max_new_tokens=int(ev.get("max_new_tokens", 320)), show_progress=progress)
+                        rerank_max_new_tokens=ev.get("max_new_tokens"), show_progress=progress)
         config = Config(model=SASRecReranked, dataset=name, config_dict=settings)
         init_seed(config["seed"], config["reproducibility"])
         dataset = create_dataset(config)
@@ -150,9 +150,9 @@ def run_e2e(cfg: dict, rerankers: list[tuple[str, str, str]], n_users: int | Non
             seconds = time.time() - t0
             if bar is not None:
                 bar.close()
-            row = {"name": rname, "decoder": decoder, "tau": tau if decoder == "diffusion" else None,
-                   "commit_rule": commit_rule if decoder == "diffusion" else None,
-                   "hold_eos": bool(hold_eos) if decoder == "diffusion" else None,
+            used = model.options if decoder == "diffusion" else None  # resolved against the model's record
+            row = {"name": rname, "decoder": decoder, "tau": used.tau if used else None,
+                   "commit_rule": used.commit_rule if used else None, "hold_eos": used.hold_eos if used else None,
                    **{k: float(v) for k, v in result.items()}, "seconds": round(seconds, 3)}
             per_user[rname] = dict(model.target_ranks)
             check_recorded_ranks(rname, per_user[rname], row)

@@ -241,7 +241,9 @@ def _items_file(rs) -> Path:
     return find_atomic_file(src, "item")
 
 
-EVAL_KEYS = ("split", "limit", "batch_size", "tau", "max_new_tokens", "commit_rule", "hold_eos")
+# the eval config's decode settings (reranker.decoding's names); what it leaves out, the model records
+EVAL_DECODE_KEYS = ("tau", "max_new_tokens", "commit_rule", "hold_eos")
+EVAL_KEYS = ("split", "limit", "batch_size", *EVAL_DECODE_KEYS)
 
 
 def _weights_hash(model_dir: Path) -> str:
@@ -259,16 +261,15 @@ def _file_hash(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def _decode_options(ecfg: dict, decoder: str):
-    from reranker.engine import DecodeOptions
+def _decode_options(ecfg: dict, decoder: str, model_dir=None):
+    """The eval config's decode settings over what model_dir records over the defaults
+    (reranker.decoding.resolve); an invalid one is an error naming it."""
+    from reranker.decoding import recorded_in, resolve
 
-    extra = {}
-    if decoder == "diffusion":  # the commit rule and EOS hold are diffusion settings; AR ignores them
-        extra = {k: ecfg[k] for k in ("commit_rule", "hold_eos") if k in ecfg}
-    opts = DecodeOptions(decoder=decoder, tau=float(ecfg.get("tau", 0.9)),
-                         max_new_tokens=int(ecfg.get("max_new_tokens", 320)), **extra)
-    opts.validate()
-    return opts
+    given = {k: ecfg.get(k) for k in EVAL_DECODE_KEYS}
+    if decoder != "diffusion":  # the commit rule and EOS hold are diffusion settings; AR ignores them
+        given.update(commit_rule=None, hold_eos=None)
+    return resolve({**given, "decoder": decoder}, recorded_in(model_dir) if model_dir else None)
 
 
 def evaluate_rows(rows, data_dir: Path, ecfg: dict, eval_dir: Path) -> list[dict]:
@@ -286,7 +287,7 @@ def evaluate_rows(rows, data_dir: Path, ecfg: dict, eval_dir: Path) -> list[dict
     test_hash = _file_hash(test_file)
     out, ar_ranks, by_key = [], None, {}
     for label, model_dir, decoder in rows:
-        opts = _decode_options(ecfg, decoder)
+        opts = _decode_options(ecfg, decoder, model_dir)
         key = _hash("eval", _weights_hash(model_dir), test_hash, decoder, {k: ecfg.get(k) for k in EVAL_KEYS})
         path = eval_dir / f"{label.replace(' ', '_').replace('+', 'p')}.json"
         cached = json.loads(path.read_text()) if path.is_file() else None
@@ -328,7 +329,7 @@ def measure_final_speed(ar_dir: Path, diff_dir: Path, data_dir: Path, scfg: dict
     from reranker.eval.evaluate import load_examples
     from reranker.eval.speed import speed_benchmark_from_engines
 
-    opts = _decode_options(ecfg, "diffusion")
+    opts = _decode_options(ecfg, "diffusion", diff_dir)
     settings = {k: scfg.get(k) for k in SPEED_KEYS}
     key = _hash("speed", _weights_hash(ar_dir), _weights_hash(diff_dir), settings,
                 {k: ecfg.get(k) for k in EVAL_KEYS})

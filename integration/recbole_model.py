@@ -14,13 +14,10 @@ RecBole config keys (YAML or config_dict):
     rerank_model: model directory (AR or converted diffusion); null = SASRec alone
     rerank_data: re-ranking data directory (dgr2 data build)
     rerank_top_n: 10
-    rerank_decoder: ar | diffusion
-    rerank_tau: 0.9
-    rerank_commit_rule: confidence | prefix (diffusion: which masked positions a step commits)
-    rerank_hold_eos: false (diffusion: commit EOS only as the position a step must commit)
-    rerank_block_size: null (the model's own)
     rerank_batch_size: 8
-    rerank_max_new_tokens: 320
+    rerank_<setting> for each decode setting of reranker.decoding (rerank_decoder, rerank_tau,
+        rerank_commit_rule, rerank_hold_eos, rerank_block_size, rerank_max_new_tokens,
+        rerank_temperature): unset or null is the model's recorded setting, else the default there
 
 After an evaluation, `rerank_stats` counts the users the re-ranker saw, those whose top-N it
 re-ordered, and those where its answer did not parse and the retriever order was kept (fallback).
@@ -80,16 +77,12 @@ class SASRecReranked(SequentialRecommender):
 
             self.engine = RerankEngine.load(model_dir, _get(config, "rerank_data", None))
         if self.engine is not None:
-            from reranker.engine import DecodeOptions
+            from reranker.decoding import RECORDED, resolve
 
-            block = _get(config, "rerank_block_size", None)
-            self.options = DecodeOptions(decoder=str(_get(config, "rerank_decoder", "ar")),
-                                         tau=float(_get(config, "rerank_tau", 0.9)),
-                                         commit_rule=str(_get(config, "rerank_commit_rule", "confidence")),
-                                         hold_eos=bool(_get(config, "rerank_hold_eos", False)),
-                                         block_size=int(block) if block else None,
-                                         max_new_tokens=int(_get(config, "rerank_max_new_tokens", 320)))
-            self.options.validate()
+            # one config key per decode setting, over what the model records (an engine without a
+            # record, such as a stand-in, gets the defaults)
+            self.options = resolve({name: _get(config, "rerank_" + name, None) for name in (*RECORDED, "block_size")},
+                                   getattr(self.engine, "recorded", None))
 
     def calculate_loss(self, interaction):
         return self.sasrec.calculate_loss(interaction)

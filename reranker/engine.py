@@ -5,14 +5,14 @@ three render the same prompt, decode with the same code and apply the same fallb
 does not parse to a valid permutation returns the retriever order with `fallback=True`.
 
 It needs a model directory (HF causal LM + tokenizer; a converted model carries its diffusion
-fields in config.json) and a re-ranking data directory (`dgr2 data build`): the item <-> SID map,
-and, through build_info.json, the retrieval artifacts and item file from which the collaborative
-evidence (co-purchase counts on the training split) is rebuilt.
+fields in config.json, and a model may record the decode settings it was trained for, which a
+caller that sends none gets: reranker.decoding) and a re-ranking data directory (`dgr2 data
+build`): the item <-> SID map, and, through build_info.json, the retrieval artifacts and item file
+from which the collaborative evidence (co-purchase counts on the training split) is rebuilt.
 """
 from __future__ import annotations
 
 import json
-import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -21,16 +21,14 @@ from pathlib import Path
 import torch
 
 from reranker.data.evidence import CoPurchaseCounts, candidates_evidence
+from reranker.decoding import DECODERS, DecodeOptions, recorded_settings, resolve  # noqa: F401 -- re-exported
 from reranker.diffusion.ar_decoder import ar_decode
 from reranker.diffusion.convert import load_diffusion_config
 from reranker.diffusion.diffusion_decoder import diffusion_decode
-from reranker.diffusion.forward import check_commit_rule
 from reranker.text.answer import parse_ranking, permutation_or_fallback
 from reranker.text.prompt import render_prompt_messages, render_prompt_within_budget
 from reranker.text.sid import SemanticIds
 from reranker.text.tokenizer import IM_END, THINK_CLOSE, THINK_OPEN
-
-DECODERS = ("ar", "diffusion")
 
 
 @dataclass
@@ -39,30 +37,6 @@ class RerankRequest:
     candidates: list[str]  # retriever order
     scores: list[float] | None = None
     user: str | None = None  # only used to leave the user's own pairs out of the co-purchase counts
-
-
-@dataclass
-class DecodeOptions:
-    decoder: str = "ar"
-    tau: float = 0.9
-    block_size: int | None = None  # None: the block size recorded in the converted model
-    temperature: float = 0.0
-    max_new_tokens: int = 320
-    max_steps_per_block: int | None = None
-    seed: int = 0
-    commit_rule: str = "confidence"  # diffusion only: "confidence" (the paper's) or "prefix" (left to right)
-    hold_eos: bool = False  # diffusion only: commit EOS only as the position a step must commit
-
-    def validate(self) -> None:
-        if self.decoder not in DECODERS:
-            raise ValueError(f"decoder must be one of {DECODERS}, got {self.decoder!r}")
-        if not (0.0 < self.tau <= 1.0) or math.isnan(self.tau):
-            raise ValueError(f"tau must be in (0, 1], got {self.tau}")
-        if self.block_size is not None and not (1 <= self.block_size <= 256):
-            raise ValueError(f"block_size must be in [1, 256], got {self.block_size}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        check_commit_rule(self.commit_rule, "commit_rule")
 
 
 @dataclass
@@ -97,6 +71,10 @@ class RerankEngine:
         # Training prompts computed brand/category evidence over at most this many recent items.
         self.evidence_history = evidence_history
         self.diffusion = load_diffusion_config(model)
+        # what the model directory records (reranker.decoding): the settings a caller that sends none gets
+        self.recorded = recorded_settings(model.config)
+        # the model's context: a prompt plus its generation budget must fit in it
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.eos_id = tokenizer.convert_tokens_to_ids(IM_END)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
 
@@ -127,6 +105,17 @@ class RerankEngine:
                    profile or info.get("profile", "cpu"), int(info.get("max_prompt_tokens") or 512),
                    info.get("evidence_history_items") or None)
 
+    def decode_options(self, explicit=None) -> DecodeOptions:
+        """Explicit settings over the model's recorded ones over the defaults (reranker.decoding.resolve)."""
+        return resolve(explicit, self.recorded)
+
+    def prompt_limit(self, max_new_tokens: int) -> int:
+        """The most prompt tokens a request may take: the data's prompt budget, and what the model's
+        context leaves beside `max_new_tokens` generated tokens."""
+        if self.max_positions is None:
+            return self.max_prompt_tokens
+        return min(self.max_prompt_tokens, int(self.max_positions) - int(max_new_tokens))
+
     def known(self, item: str) -> bool:
         return item in self.sids
 
@@ -150,15 +139,26 @@ class RerankEngine:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def prompt_ids(self, req: RerankRequest) -> list[int]:
+    def prompt_ids(self, req: RerankRequest, max_new_tokens: int | None = None) -> list[int]:
         """The prompt as the data builder rendered it. The common case (it fits the budget) is
-        rendered and tokenized once; only an overlong prompt goes through the trimming loop."""
+        rendered and tokenized once; only an overlong prompt goes through the trimming loop (oldest
+        history first). With `max_new_tokens`, the budget is also what the model's context leaves
+        (prompt_limit), and a prompt that cannot fit is a ValueError naming that limit."""
+        budget = self.max_prompt_tokens if max_new_tokens is None else self.prompt_limit(max_new_tokens)
         inputs = self._prompt_inputs(req)
         ids = self._encode(render_prompt_messages(*inputs, profile=self.profile))
-        if len(ids) <= self.max_prompt_tokens:
+        if len(ids) <= budget:
             return ids
-        return self._encode(render_prompt_within_budget(self.tokenizer, self.max_prompt_tokens, *inputs,
-                                                        profile=self.profile))
+        if budget < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
+                             f"context of max_position_embeddings={self.max_positions} tokens")
+        try:
+            return self._encode(render_prompt_within_budget(self.tokenizer, budget, *inputs, profile=self.profile))
+        except ValueError:
+            n = len(self._encode(render_prompt_messages(*inputs, 1, profile=self.profile)))
+            raise ValueError(f"the prompt needs {n} tokens with one history item, over the limit of {budget}: "
+                             f"min(max_prompt_tokens={self.max_prompt_tokens}, max_position_embeddings="
+                             f"{self.max_positions} - max_new_tokens={max_new_tokens})") from None
 
     def decode(self, prompts: list[list[int]], options: DecodeOptions):
         """Token ids per row and the number of forward passes (the raw decoder call)."""
@@ -176,11 +176,15 @@ class RerankEngine:
                                generator=gen, commit_rule=options.commit_rule, hold_eos=options.hold_eos)
         return res.tokens, res.n_forward, res
 
-    def rerank(self, requests: list[RerankRequest], options: DecodeOptions | None = None) -> list[RerankResult]:
-        """Re-rank a batch in one batched decode. Never returns an invalid permutation."""
-        options = options or DecodeOptions()
+    def rerank(self, requests: list[RerankRequest], options: DecodeOptions | None = None,
+               prompts: list[list[int]] | None = None) -> list[RerankResult]:
+        """Re-rank a batch in one batched decode. Never returns an invalid permutation. options None:
+        the model's recorded settings; prompts: the requests' prompt ids when the caller rendered
+        them already (the service does, at its handler)."""
+        options = options if options is not None else self.decode_options()
         options.validate()
-        prompts = [self.prompt_ids(r) for r in requests]
+        if prompts is None:
+            prompts = [self.prompt_ids(r) for r in requests]
         t0 = time.perf_counter()
         tokens, n_forward, _ = self.decode(prompts, options)
         seconds = time.perf_counter() - t0

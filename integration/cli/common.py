@@ -1,5 +1,5 @@
-"""What the command groups share: provenance, result files, list and JSON flags, config paths, the
-diffusion decoder's flags."""
+"""What the command groups share: provenance, result files, list and JSON flags, config paths. (The
+decode flags are reranker.decoding's add_decode_flags.)"""
 from __future__ import annotations
 
 import shlex
@@ -52,14 +52,3 @@ def data_paths(cfg: dict, data: str | None):
     items = dcfg.get("items_path") or find_atomic_file(src, "item")
     return rs.out, Path(items), Path(cfg["out"]) / "rerank_data"
 
-
-def add_diffusion_rule_flags(parser) -> None:
-    """The diffusion decoder's commit rule and EOS hold, the same flags for every command that decodes."""
-    from reranker.diffusion.rules import COMMIT_RULES
-
-    parser.add_argument("--hold-eos", action="store_true",
-                        help="diffusion: commit EOS only as the position a step must commit, not on confidence "
-                             "beside the tokens before it")
-    parser.add_argument("--commit-rule", default="confidence", choices=COMMIT_RULES,
-                        help="diffusion: commit every confident position (the paper's), or only the leftmost "
-                             "masked one and the confident run after it")

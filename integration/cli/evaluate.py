@@ -6,18 +6,18 @@ import json
 import logging
 from pathlib import Path
 
+from reranker.decoding import add_decode_flags, explicit_from_args
+
 from ..config import load_config
-from .common import add_diffusion_rule_flags, command_line, data_paths, floats, ints, save_results
+from .common import command_line, data_paths, floats, ints, save_results
 
 
 def cmd_eval(args) -> int:
-    from reranker.engine import DecodeOptions
     from reranker.eval.evaluate import evaluate_dirs, format_report, write_outputs
 
-    opts = DecodeOptions(decoder=args.decoder, tau=args.tau, block_size=args.block_size,
-                         max_new_tokens=args.max_new_tokens, commit_rule=args.commit_rule, hold_eos=args.hold_eos)
-    rep = evaluate_dirs(args.model, args.data, args.split, opts, args.batch_size, args.limit,
-                        keep_outputs=bool(args.outputs))
+    # settings not given on the command line: the model's recorded ones (reranker.decoding)
+    rep = evaluate_dirs(args.model, args.data, args.split, None, args.batch_size, args.limit,
+                        keep_outputs=bool(args.outputs), settings=explicit_from_args(args))
     print(format_report(rep))
     if args.outputs:
         write_outputs(args.outputs, rep.pop("outputs"))  # beside the report, not inside it
@@ -77,11 +77,7 @@ def add_eval(sub) -> None:
     e.add_argument("--model", required=True, help="model directory (AR or converted diffusion)")
     e.add_argument("--data", required=True, help="re-ranking data directory (dgr2 data build)")
     e.add_argument("--split", default="test", choices=["train", "valid", "test"])
-    e.add_argument("--decoder", default="ar", choices=["ar", "diffusion"])
-    e.add_argument("--tau", type=float, default=0.9)
-    add_diffusion_rule_flags(e)
-    e.add_argument("--block-size", type=int, default=None)
-    e.add_argument("--max-new-tokens", type=int, default=320)
+    add_decode_flags(e)
     e.add_argument("--batch-size", type=int, default=8)
     e.add_argument("--limit", type=int, default=None, help="evaluate the first N examples only")
     e.add_argument("--out", help="write the report to this docs/results JSON file")
@@ -100,9 +96,7 @@ def add_speed(sub) -> None:
     s.add_argument("--n-prompts", type=int, default=8, help="prompts timed per run (first N of the split)")
     s.add_argument("--batch-sizes", default="1,8")
     s.add_argument("--taus", default="1.0,0.9,0.8,0.6,0.4")
-    s.add_argument("--block-size", type=int, default=None, help="default: the one recorded in the model")
-    s.add_argument("--max-new-tokens", type=int, default=320)
-    add_diffusion_rule_flags(s)
+    add_decode_flags(s, ("block_size", "max_new_tokens", "commit_rule", "hold_eos"))
     s.add_argument("--repeats", type=int, default=5)
     s.add_argument("--warmup", type=int, default=1)
     s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's current setting)")
@@ -130,8 +124,7 @@ def add_e2e(sub) -> None:
     ee.add_argument("--users", type=int, default=None, help="a seeded random sample of N test users (default: all)")
     ee.add_argument("--seed", type=int, default=0, help="seed of the user sample")
     ee.add_argument("--batch-size", type=int, default=32, help="re-ranker decode batch size")
-    ee.add_argument("--tau", type=float, default=0.9, help="diffusion confidence threshold")
-    add_diffusion_rule_flags(ee)
+    add_decode_flags(ee, ("tau", "commit_rule", "hold_eos"))
     ee.add_argument("--out", help="write the result to this docs/results JSON file (recbole-e2e-<name>.json)")
     ee.add_argument("--add-to", action="store_true",
                     help="add these rows to the existing --out file (same users; its SASRec-alone row must match)")

@@ -2,9 +2,16 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+from reranker.decoding import RECORDED as RECORDED_FLAGS
+from reranker.decoding import add_decode_flags
 
 from ..config import load_config, section
 from .common import json_arg
+
+# the decode settings `dgr2 convert` can record beside decoder "diffusion" (--block-size is the conversion's own)
+CONVERT_RECORDS = ("tau", "commit_rule", "hold_eos", "max_new_tokens")
 
 
 def cmd_model_init(args) -> int:
@@ -47,8 +54,28 @@ def cmd_train(args) -> int:
 def cmd_convert(args) -> int:
     from reranker.diffusion.convert import convert_to_diffusion
 
-    convert_to_diffusion(args.src, args.dst, block_size=args.block_size)
+    from reranker.decoding import explicit_from_args
+
+    convert_to_diffusion(args.src, args.dst, block_size=args.block_size,
+                         decode=explicit_from_args(args, CONVERT_RECORDS))
     print(f"converted {args.src} -> {args.dst} (block size {args.block_size})")
+    return 0
+
+
+def cmd_model_decode_settings(args) -> int:
+    """Record decode settings in a model directory's config.json (what callers that send none get)."""
+    from candidate_gen.files import atomic_write_json
+    from reranker.decoding import MODEL_CONFIG_KEY, check_recorded, explicit_from_args, recorded_in
+
+    path = Path(args.model) / "config.json"
+    settings = recorded_in(args.model)  # checks the file first: an error names it
+    given = explicit_from_args(args, RECORDED_FLAGS)
+    settings = check_recorded({**settings, **given}, str(path))
+    if given:
+        config = json.loads(path.read_text(encoding="utf-8"))
+        config[MODEL_CONFIG_KEY] = settings
+        atomic_write_json(path, config)
+    print(json.dumps({MODEL_CONFIG_KEY: settings}, indent=2))
     return 0
 
 
@@ -71,6 +98,11 @@ def add_model(sub) -> None:
     ma.add_argument("models", nargs="+", help="model directories (the first gives config and tokenizer)")
     ma.add_argument("--out", required=True)
     ma.set_defaults(func=cmd_model_average)
+    md = msub.add_parser("decode-settings", help="show or record the decode settings a model directory "
+                                                 "records (what a request or command that sends none gets)")
+    md.add_argument("model", help="model directory")
+    add_decode_flags(md, RECORDED_FLAGS, {n: f"record this {n.replace('_', ' ')}" for n in RECORDED_FLAGS})
+    md.set_defaults(func=cmd_model_decode_settings)
 
 
 def add_train(sub) -> None:
@@ -92,4 +124,6 @@ def add_convert(sub) -> None:
     c.add_argument("--from", dest="src", required=True)
     c.add_argument("--to", dest="dst", required=True)
     c.add_argument("--block-size", type=int, default=32)
+    add_decode_flags(c, CONVERT_RECORDS, {n: f"record this {n.replace('_', ' ')} as the converted model's "
+                                             f"(decoder: diffusion)" for n in CONVERT_RECORDS})
     c.set_defaults(func=cmd_convert)

@@ -1,10 +1,10 @@
 """The diffusion heart: one sequence layout and mask rule (masks), the masked-diffusion loss of CFT
 (loss), AR -> block-diffusion conversion (convert), and the decoders that share the rule: AR, the
 B = 1 case and the teacher (ar_decoder), block diffusion, the student (diffusion_decoder), both over
-one forward helper and KV cache (forward), with trajectory replay for OPD / RL (replay) and the
-commit rules a parser offers (rules).
+one forward helper and KV cache (forward), with trajectory replay for OPD / RL (replay). The
+decode settings, commit rules included, are reranker.decoding's.
 
-Imports are lazy so `import reranker.diffusion.rules` stays cheap; `from reranker.diffusion import
+Imports are lazy; `from reranker.diffusion import
 diffusion_decode` imports its module on first use. `reranker.diffusion.forward` is the forward-helper
 module (its function is `reranker.diffusion.forward.forward`).
 """

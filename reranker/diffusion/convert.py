@@ -4,16 +4,20 @@ Nothing in the network changes: block diffusion is a different attention MASK an
 (masks.py) over the same causal-LM weights, and the AR token shift is kept (the logit at column t
 predicts token t+1), so with block size 1 the converted model decodes exactly like the AR one.
 The fields live in config.json under "diffusion" (a plain custom config attribute, which
-save_pretrained / from_pretrained round-trip), so any HF checkpoint directory works.
+save_pretrained / from_pretrained round-trip), so any HF checkpoint directory works. The converted
+model also records the decode settings it is meant for (config.json "decode_settings", see
+reranker.decoding): decoder "diffusion" plus any given, kept by every later stage's save.
 """
 from transformers import AutoTokenizer
 
+from reranker.decoding import record
 from reranker.model import load_model, resize_for_tokenizer, save_model
 
 
-def convert_to_diffusion(ar_dir, out_dir, block_size=32, mask_token="<|mask|>"):
+def convert_to_diffusion(ar_dir, out_dir, block_size=32, mask_token="<|mask|>", decode=None):
     """Load the AR model + tokenizer from ar_dir, add `mask_token` if absent (growing the embedding
-    matrix only if needed), record the diffusion fields and save to out_dir (safetensors)."""
+    matrix only if needed), record the diffusion fields and the decode settings (`decode`: tau,
+    commit_rule, ...; None values left out) and save to out_dir (safetensors)."""
     tok = AutoTokenizer.from_pretrained(str(ar_dir), local_files_only=True)
     model = load_model(ar_dir)
     if mask_token not in tok.get_vocab():
@@ -25,6 +29,7 @@ def convert_to_diffusion(ar_dir, out_dir, block_size=32, mask_token="<|mask|>"):
     resize_for_tokenizer(model, tok)
     model.config.diffusion = {"block_size": int(block_size), "mask_token_id": int(mask_id),
                               "mask_token": mask_token, "ar_token_shift": True}
+    record(model.config, {**(decode or {}), "decoder": "diffusion"})
     save_model(model, tok, out_dir)
     return model, tok
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from reranker.decoding import DEFAULT_COMMIT_RULE, DEFAULT_TAU
+
 from .forward import check_commit_rule, clock, commit_confident, crop, forward, new_cache, pick_tokens, select_rows
 from .masks import block_causal_mask, clean_block_ids, left_pad, position_ids_for
 
@@ -113,8 +115,8 @@ def _first_eos(canvas, step_of, eos_id):
 
 @torch.no_grad()
 def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, eos_token_id,
-                     pad_token_id=0, tau=0.9, temperature=0.0, max_steps_per_block=None, generator=None,
-                     commit_rule="confidence", hold_eos=False):
+                     pad_token_id=0, tau=DEFAULT_TAU, temperature=0.0, max_steps_per_block=None, generator=None,
+                     commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False):
     """Decode block by block; each step commits every masked position with confidence >= tau plus
     the most confident one (greedy if temperature == 0, else sampled from softmax(logits / T);
     confidence = probability of the chosen token), or with commit_rule="prefix" the leftmost masked

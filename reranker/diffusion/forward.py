@@ -10,7 +10,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from .rules import check_commit_rule
+from reranker.decoding import DEFAULT_COMMIT_RULE, check_commit_rule  # the decode settings' one owner
 
 
 def clock(device) -> float:
@@ -83,7 +83,7 @@ def pick_tokens(logits, temperature=0.0, top_p=1.0, generator=None):
     return tokens, lp, lp.exp()
 
 
-def commit_confident(confidence, eligible, tau, force_all=False, rule="confidence", hold=None):
+def commit_confident(confidence, eligible, tau, force_all=False, rule=DEFAULT_COMMIT_RULE, hold=None):
     """Which positions to commit this step.
 
     rule "confidence" (the paper's): every eligible (still masked) position whose confidence is

@@ -51,7 +51,8 @@ def evaluate(engine: RerankEngine, examples: list[dict], options: DecodeOptions,
         if keep_outputs:
             for ex, r in zip(chunk, results):
                 outputs.append({"user": ex.get("user"), "target_index": int(ex["target_index"]), "valid": r.valid,
-                                "failure": r.failure, "permutation": r.permutation, "text": r.text})
+                                "failure": r.failure, "permutation": r.permutation, "text": r.text,
+                                "generated_tokens": r.generated_tokens, "forward_passes": r.forward_passes})
         bar.update(len(chunk))
     bar.close()
     n = len(examples)
@@ -60,7 +61,8 @@ def evaluate(engine: RerankEngine, examples: list[dict], options: DecodeOptions,
     floor = np.asarray(target_index)
     report = {
         "n": n, "decoder": options.decoder, "tau": options.tau, "block_size": options.block_size,
-        "commit_rule": options.commit_rule, "hold_eos": options.hold_eos,
+        "commit_rule": options.commit_rule, "hold_eos": options.hold_eos, "temperature": options.temperature,
+        "max_new_tokens": options.max_new_tokens,
         "batch_size": batch_size, **summarize(ranks),
         "valid_rate": valid / max(n, 1), "fallback_rate": 1 - valid / max(n, 1),
         "failures": failures,
@@ -81,10 +83,13 @@ def evaluate(engine: RerankEngine, examples: list[dict], options: DecodeOptions,
 
 def evaluate_dirs(model_dir, data_dir, split: str = "test", options: DecodeOptions | None = None,
                   batch_size: int = 8, limit: int | None = None, progress: bool = True,
-                  keep_outputs: bool = False) -> dict:
+                  keep_outputs: bool = False, settings: dict | None = None) -> dict:
+    """options None: `settings` (the decode settings given, by name) over what the model records
+    (RerankEngine.decode_options)."""
     engine = RerankEngine.load(model_dir, data_dir)
     examples = load_examples(Path(data_dir) / f"{split}.jsonl", limit)
-    report = evaluate(engine, examples, options or DecodeOptions(), batch_size, progress, keep_outputs)
+    options = options if options is not None else engine.decode_options(settings)
+    report = evaluate(engine, examples, options, batch_size, progress, keep_outputs)
     report.update({"model": str(model_dir), "data": str(data_dir), "split": split})
     return report
 

@@ -60,6 +60,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from reranker.decoding import DEFAULT_COMMIT_RULE, DEFAULT_MAX_NEW_TOKENS
 from reranker.diffusion.ar_decoder import ar_decode
 from reranker.diffusion.convert import load_diffusion_config
 from reranker.diffusion.diffusion_decoder import diffusion_decode, prefill
@@ -125,7 +126,7 @@ def _first_id(x):
 # --------------------------------------------------------------------------------------------- runs
 
 def _run(kind, model, prompts, batch_size, max_new_tokens, eos, pad, tau=None, block_size=None,
-         mask_token_id=None, max_steps_per_block=None, commit_rule="confidence", hold_eos=False):
+         mask_token_id=None, max_steps_per_block=None, commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False):
     """Decode every prompt once in chunks of batch_size; returns timing and counts (and tokens)."""
     seconds, n_forward, rows_per_tok, tokens, row_steps = 0.0, 0, 0.0, [], 0
     prefill_seconds = 0.0
@@ -166,7 +167,7 @@ def _run(kind, model, prompts, batch_size, max_new_tokens, eos, pad, tau=None, b
 
 def _interleaved(ar_model, diff_model, prompts, batch_size, taus, max_new_tokens, repeats, warmup, eos, pad,
                  block_size, mask_token_id, max_steps_per_block, exact_length=None, progress=None,
-                 commit_rule="confidence", hold_eos=False):
+                 commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False):
     """AR and every tau, once per repeat, back to back; returns (ar summary, [tau summaries])."""
     configs = [("ar", None)] + [("diffusion", t) for t in taus]
     runs = {c: [] for c in configs}
@@ -359,8 +360,8 @@ def speedup_ceiling(fc: dict, length: int, steps_per_block=(1, 2)) -> dict:
 
 # ------------------------------------------------------------------------------------------ accuracy
 
-def accuracy_points(engine_ar, engine_diff, examples, taus, block_size=None, max_new_tokens=320, batch_size=8,
-                    progress=False, commit_rule="confidence", hold_eos=False) -> dict:
+def accuracy_points(engine_ar, engine_diff, examples, taus, block_size=None, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
+                    batch_size=8, progress=False, commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False) -> dict:
     """Recall@1/@3, NDCG@3, valid rate of AR and of diffusion at each tau (reranker.eval.evaluate on
     `examples`), with the paired bootstrap CI of each diffusion point against AR."""
     from reranker.engine import DecodeOptions
@@ -391,11 +392,11 @@ def accuracy_points(engine_ar, engine_diff, examples, taus, block_size=None, max
 # -------------------------------------------------------------------------------------------- harness
 
 def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES, taus=DEFAULT_TAUS,
-                  block_size=None, max_new_tokens=320, repeats=5, warmup=1, threads=None, eos_token_id=None,
-                  pad_token_id=None, mask_token_id=None, max_steps_per_block=None, lengths=DEFAULT_LENGTHS,
-                  length_taus=DEFAULT_LENGTH_TAUS, length_batch_sizes=None, forward_blocks=DEFAULT_FORWARD_BLOCKS,
+                  block_size=None, max_new_tokens=DEFAULT_MAX_NEW_TOKENS, repeats=5, warmup=1, threads=None,
+                  eos_token_id=None, pad_token_id=None, mask_token_id=None, max_steps_per_block=None,
+                  lengths=DEFAULT_LENGTHS, length_taus=DEFAULT_LENGTH_TAUS, length_batch_sizes=None, forward_blocks=DEFAULT_FORWARD_BLOCKS,
                   forward_iters=20, context=None, accuracy=None, accuracy_batch_size=8, progress=None,
-                  commit_rule="confidence", hold_eos=False) -> dict:
+                  commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False) -> dict:
     """Side-by-side decode speed of AR (`ar_model`) and block diffusion (`diff_model`) on `prompts`
     (token-id lists). See the module docstring for what each number means.
 
@@ -543,6 +544,11 @@ def run_speed_benchmark(ar_dir, diff_dir, data_dir, out_json=None, n_prompts=8, 
         torch.set_num_threads(int(threads))
     engine_ar = RerankEngine.load(ar_dir, data_dir, device=device)
     engine_diff = RerankEngine.load(diff_dir, data_dir, device=device)
+    # settings not given: the diffusion model's recorded ones (reranker.decoding); the taus are a sweep
+    given = {k: kw.pop(k, None) for k in ("commit_rule", "hold_eos", "max_new_tokens", "block_size")}
+    d = engine_diff.decode_options({**given, "decoder": "diffusion"})
+    kw.update(commit_rule=d.commit_rule, hold_eos=d.hold_eos, max_new_tokens=d.max_new_tokens,
+              block_size=d.block_size)
     examples = load_examples(Path(data_dir) / f"{split}.jsonl")
     rep = speed_benchmark_from_engines(engine_ar, engine_diff, examples, n_prompts, accuracy=accuracy,
                                        accuracy_limit=accuracy_limit, **kw)

@@ -5,10 +5,12 @@ that request arrived for others with the same key (up to `max_batch`), and runs 
 single worker thread, so the event loop keeps answering health checks and rejecting overload while
 the model decodes. Requests that arrive during a decode queue up and form the next batch.
 
-The queue is bounded: `submit` raises QueueFull at once, before any await, when `max_queue`
-requests are already waiting. A request whose caller went away (deadline, cancellation) is removed
-from the queue; if every request of the running batch went away, `should_stop()` turns true for the
-batch function, which is expected to abandon the decode (server.py does it between forward passes).
+The queue is bounded by admission: `admit()` raises QueueFull at once, with no await, when
+`max_queue` requests are already admitted (waiting, or in the batch being decoded, until their
+caller is answered). A handler admits first and only then retrieves, renders and submits, so a
+refusal costs no work. A request whose caller went away (deadline, cancellation) is removed from the
+queue; if every request of the running batch went away, `should_stop()` turns true for the batch
+function, which is expected to abandon the decode (server.py does it between forward passes).
 """
 from __future__ import annotations
 
@@ -48,6 +50,26 @@ class _Job:
     gone: bool = False  # the caller stopped waiting
 
 
+class Admission:
+    """One of the batcher's `max_queue` places, held from admission until released (the handler
+    releases it when its caller is answered)."""
+
+    def __init__(self, batcher: "MicroBatcher"):
+        self._batcher = batcher
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._batcher._admitted -= 1
+
+    def __enter__(self) -> "Admission":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 # batch function: (items, key, should_stop) -> one result (or Exception instance) per item, in order
 BatchFn = Callable[[list, Hashable, Callable[[], bool]], list]
 
@@ -67,11 +89,26 @@ class MicroBatcher:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rerank-decode")
         self._task: asyncio.Task | None = None
         self._current: list[_Job] = []  # the batch being decoded
+        self._admitted = 0  # places held (Admission): waiting, decoding, or being prepared by a handler
         self.batches = 0
 
     @property
     def queued(self) -> int:
         return len(self._pending)
+
+    @property
+    def admitted(self) -> int:
+        return self._admitted
+
+    def admit(self) -> Admission:
+        """A place for one request, or QueueFull at once (no await: the refusal does no work)."""
+        if self._task is None or self._task.done():
+            raise BatcherClosed("the batcher is not running")
+        if self._admitted >= self.max_queue:
+            raise QueueFull(f"queue full ({self.max_queue} requests admitted, the decoding batch included); "
+                            f"retry later")
+        self._admitted += 1
+        return Admission(self)
 
     @property
     def running(self) -> int:
@@ -85,23 +122,29 @@ class MicroBatcher:
         """Run fn on the decode thread, between batches (warm-up uses the model there too)."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    async def submit(self, item: Any, key: Hashable) -> Outcome:
-        """Queue `item`, wait for its batch. Raises QueueFull immediately when the queue is full;
-        cancelling the caller removes the item from the queue (or marks it gone if running)."""
-        if self._task is None or self._task.done():
+    async def submit(self, item: Any, key: Hashable, admission: Admission | None = None) -> Outcome:
+        """Queue `item` under `admission` (None: admit it here, and release when answered), wait for
+        its batch. Raises QueueFull immediately when no place is free; cancelling the caller removes
+        the item from the queue (or marks it gone if running)."""
+        own = admission is None
+        if own:
+            admission = self.admit()
+        elif self._task is None or self._task.done():
             raise BatcherClosed("the batcher is not running")
-        if len(self._pending) >= self.max_queue:
-            raise QueueFull(f"queue full ({self.max_queue} requests waiting); retry later")
-        job = _Job(item, key, asyncio.get_running_loop().create_future())
-        self._pending.append(job)
-        self._wakeup.set()
         try:
-            return await job.future
-        except asyncio.CancelledError:
-            job.gone = True
-            if job in self._pending:
-                self._pending.remove(job)
-            raise
+            job = _Job(item, key, asyncio.get_running_loop().create_future())
+            self._pending.append(job)
+            self._wakeup.set()
+            try:
+                return await job.future
+            except asyncio.CancelledError:
+                job.gone = True
+                if job in self._pending:
+                    self._pending.remove(job)
+                raise
+        finally:
+            if own:
+                admission.release()
 
     async def _dispatch(self) -> None:
         loop = asyncio.get_running_loop()

@@ -23,23 +23,30 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from proto.diffusion_gr2.v1 import reranker_pb2 as pb
 from proto.diffusion_gr2.v1 import reranker_pb2_grpc as pb_grpc
 
+from ..decoding import add_decode_flags
+
+# setting name -> proto enum (reranker.decoding owns the names; None leaves the field unset)
 DECODERS = {None: pb.DECODER_UNSPECIFIED, "ar": pb.DECODER_AR, "diffusion": pb.DECODER_DIFFUSION}
+COMMIT_RULES = {None: pb.COMMIT_RULE_UNSPECIFIED, "confidence": pb.COMMIT_RULE_CONFIDENCE,
+                "prefix": pb.COMMIT_RULE_PREFIX}
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20  # the client lets the server decide what is too large
 
 
 def decode_options(decoder: str | None = None, tau: float | None = None, block_size: int | None = None,
-                   return_reasoning: bool = False, top_k: int = 0,
-                   max_new_tokens: int | None = None) -> pb.DecodeOptions:
-    """proto DecodeOptions; None leaves a field unset (the server's default)."""
+                   return_reasoning: bool = False, top_k: int = 0, max_new_tokens: int | None = None,
+                   commit_rule: str | None = None, hold_eos: bool | None = None) -> pb.DecodeOptions:
+    """proto DecodeOptions; None leaves a field unset (the server's default: its flags, else the
+    model's recorded setting). The server validates the values."""
     if decoder not in DECODERS:
-        raise ValueError(f"decoder must be 'ar', 'diffusion' or None, got {decoder!r}")
-    opts = pb.DecodeOptions(decoder=DECODERS[decoder], return_reasoning=return_reasoning, top_k=top_k)
-    if tau is not None:
-        opts.tau = tau
-    if block_size is not None:
-        opts.block_size = block_size
-    if max_new_tokens is not None:
-        opts.max_new_tokens = max_new_tokens
+        raise ValueError(f"decoder must be one of {[k for k in DECODERS if k]} or None, got {decoder!r}")
+    if commit_rule not in COMMIT_RULES:
+        raise ValueError(f"commit_rule must be one of {[k for k in COMMIT_RULES if k]} or None, got {commit_rule!r}")
+    opts = pb.DecodeOptions(decoder=DECODERS[decoder], commit_rule=COMMIT_RULES[commit_rule],
+                            return_reasoning=return_reasoning, top_k=top_k)
+    for name, value in (("tau", tau), ("block_size", block_size), ("max_new_tokens", max_new_tokens),
+                        ("hold_eos", hold_eos)):
+        if value is not None:
+            setattr(opts, name, value)
     return opts
 
 
@@ -79,8 +86,9 @@ class RerankerClient:
     def rerank(self, candidates: Sequence[str], history: Sequence[str] = (), scores: Sequence[float] | None = None,
                user_id: str = "", decoder: str | None = None, tau: float | None = None,
                block_size: int | None = None, return_reasoning: bool = False, top_k: int = 0,
-               max_new_tokens: int | None = None, timeout: float | None = None) -> pb.RerankResponse:
-        opts = decode_options(decoder, tau, block_size, return_reasoning, top_k, max_new_tokens)
+               max_new_tokens: int | None = None, timeout: float | None = None, commit_rule: str | None = None,
+               hold_eos: bool | None = None) -> pb.RerankResponse:
+        opts = decode_options(decoder, tau, block_size, return_reasoning, top_k, max_new_tokens, commit_rule, hold_eos)
         return self.send(rerank_request(candidates, history, scores, user_id, opts), timeout)
 
     def send(self, request: pb.RerankRequest, timeout: float | None = None) -> pb.RerankResponse:
@@ -90,8 +98,9 @@ class RerankerClient:
     def recommend(self, history: Sequence[str], num_candidates: int = 0, user_id: str = "",
                   decoder: str | None = None, tau: float | None = None, block_size: int | None = None,
                   return_reasoning: bool = False, top_k: int = 0, max_new_tokens: int | None = None,
-                  timeout: float | None = None) -> pb.RecommendResponse:
-        opts = decode_options(decoder, tau, block_size, return_reasoning, top_k, max_new_tokens)
+                  timeout: float | None = None, commit_rule: str | None = None,
+                  hold_eos: bool | None = None) -> pb.RecommendResponse:
+        opts = decode_options(decoder, tau, block_size, return_reasoning, top_k, max_new_tokens, commit_rule, hold_eos)
         req = pb.RecommendRequest(user_id=user_id, history=list(history), num_candidates=num_candidates, options=opts)
         return self.stub.Recommend(req, timeout=timeout or self.timeout)
 
@@ -150,10 +159,8 @@ def client_main(argv: Sequence[str] | None = None) -> int:
     decode = argparse.ArgumentParser(add_help=False)
     decode.add_argument("--history", help="comma-separated item ids, oldest first")
     decode.add_argument("--user", default="")
-    decode.add_argument("--decoder", choices=("ar", "diffusion"))
-    decode.add_argument("--tau", type=float)
-    decode.add_argument("--block-size", type=int)
-    decode.add_argument("--max-new-tokens", type=int)
+    names = ("decoder", "tau", "block_size", "commit_rule", "hold_eos", "max_new_tokens")
+    add_decode_flags(decode, names, {n: "unset: the server's default" for n in names})
     decode.add_argument("--reasoning", action="store_true", help="return the reasoning trace")
     decode.add_argument("--top-k", type=int, default=0)
     r = sub.add_parser("rerank", parents=[common, decode], help="re-rank given candidates")
@@ -171,8 +178,9 @@ def client_main(argv: Sequence[str] | None = None) -> int:
             if args.call == "health":
                 print(json.dumps({"status": c.health(args.service, timeout=args.timeout)}))
                 return 0
-            kw = dict(decoder=args.decoder, tau=args.tau, block_size=args.block_size,
-                      return_reasoning=args.reasoning, top_k=args.top_k, max_new_tokens=args.max_new_tokens)
+            kw = dict(decoder=args.decoder, tau=args.tau, block_size=args.block_size, commit_rule=args.commit_rule,
+                      hold_eos=args.hold_eos, return_reasoning=args.reasoning, top_k=args.top_k,
+                      max_new_tokens=args.max_new_tokens)
             if args.call == "rerank":
                 row = _request_file(args.request) if args.request else {}
                 candidates = _ids(args.candidates) or row.get("candidates", [])

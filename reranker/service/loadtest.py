@@ -35,6 +35,7 @@ from proto.diffusion_gr2.v1 import reranker_pb2_grpc as pb_grpc
 
 from candidate_gen.files import read_jsonl
 
+from ..decoding import add_decode_flags, explicit_from_args
 from .client import channel, decode_options, rerank_request
 
 
@@ -155,15 +156,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--concurrency", default="8", help="comma-separated, e.g. 1,8,32")
     p.add_argument("--decoders", default="ar", help="comma-separated: ar,diffusion")
     p.add_argument("--duration-limit-s", type=float, default=600.0, help="per configuration")
-    p.add_argument("--max-new-tokens", type=int)
-    p.add_argument("--tau", type=float)
-    p.add_argument("--block-size", type=int)
+    names = ("tau", "block_size", "commit_rule", "hold_eos", "max_new_tokens")
+    add_decode_flags(p, names, {n: "unset: the server's default" for n in names})
     p.add_argument("--tls-ca")
     p.add_argument("--timeout-s", type=float, default=30.0)
     p.add_argument("--out", help="write the report as a docs/results JSON file")
     args = p.parse_args(argv)
-    options = {k: v for k, v in (("max_new_tokens", args.max_new_tokens), ("tau", args.tau),
-                                 ("block_size", args.block_size)) if v is not None}
+    options = explicit_from_args(args)
     item_ids = json.loads(Path(args.items).read_text()) if args.items else None
     report = loadtest_matrix(args.target, args.requests, args.n, args.decoders.split(","),
                              [int(c) for c in args.concurrency.split(",")], args.duration_limit_s, options,

@@ -2,7 +2,14 @@
 
 Lifecycle: bind (health NOT_SERVING) -> warm up the model (one small decode per decoder) -> SERVING
 -> on SIGTERM/SIGINT `drain`: health NOT_SERVING, new Rerank/Recommend calls get UNAVAILABLE, the
-queued and decoding requests finish (bounded by the grace period), then the server stops.
+queued and decoding requests finish (bounded by the grace period), then the server stops and
+`serve` ends the process.
+
+A handler refuses before it works: draining (UNAVAILABLE), then a place in the bounded queue
+(RESOURCE_EXHAUSTED), then validation and, for Recommend, retrieval; then it renders the prompt and
+checks it fits the model's context (INVALID_ARGUMENT naming the limit), so the decode thread only
+gets requests it can decode. Decode settings a request leaves unset are the server's defaults: its
+flags over the model's recorded settings (reranker.decoding).
 
     python -m reranker.service.server --model DIR --data DIR [--retrieval DIR] [--port 50051]
 
@@ -18,6 +25,7 @@ import concurrent.futures
 import contextlib
 import ipaddress
 import logging
+import os
 import signal
 import sys
 import threading
@@ -33,9 +41,11 @@ from grpc_reflection.v1alpha import reflection
 from proto.diffusion_gr2.v1 import reranker_pb2 as pb
 from proto.diffusion_gr2.v1 import reranker_pb2_grpc as pb_grpc
 
-from ..engine import DecodeOptions, RerankRequest, RerankResult
-from .batcher import BatcherClosed, MicroBatcher, QueueFull
-from .options import ServerConfig, ServiceLimits, add_serve_arguments
+from ..decoding import DecodeOptions, resolve
+from ..engine import RerankRequest, RerankResult
+from .batcher import Admission, BatcherClosed, MicroBatcher, QueueFull
+from .metrics import ServiceMetrics
+from .options import CANDIDATES_CAP, SERVER_DECODE_FLAGS, ServerConfig, ServiceLimits, add_serve_arguments
 from .validation import (Prepared, ValidationError, build_response, truncate_history, validate_options,
                          validate_rerank)
 
@@ -44,6 +54,10 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Reranker"].full_name  # "diffusio
 # gRPC itself refuses messages this many times larger than the handler's limit (RESOURCE_EXHAUSTED);
 # between the two, the handler answers INVALID_ARGUMENT naming the field "request".
 TRANSPORT_HEADROOM = 4
+# How long gRPC's stop may take after the drain: to send the answers of calls that finished (at
+# least), or to send CANCELLED to calls the grace cut. Both keep the exit within grace + 1 s.
+SEND_GRACE_S = 0.5
+CANCEL_GRACE_S = 0.1
 
 
 class _Abandoned(Exception):
@@ -55,15 +69,64 @@ def _fallback(n: int, failure: str) -> RerankResult:
                         text="", generated_tokens=0, forward_passes=0, decode_seconds=0.0)
 
 
+def default_options(engine, limits: ServiceLimits) -> DecodeOptions:
+    """What a request that sets nothing decodes with: the server's decode flags over the model's
+    recorded settings over the defaults; the budget capped by --max-new-tokens."""
+    resolved = resolve(limits.decode, getattr(engine, "recorded", None))  # a stand-in engine records none
+    return replace(resolved, max_new_tokens=min(resolved.max_new_tokens, limits.max_new_tokens))
+
+
+def fitting_candidates(engine, max_new_tokens: int, cap: int = CANDIDATES_CAP) -> int:
+    """The most candidates (at most `cap`) whose prompt, with one history item, fits the model's
+    context beside `max_new_tokens`: the default of --max-candidates. Candidates' evidence differs
+    in length, so the handler still checks each request's own prompt."""
+    sids = getattr(engine, "sids", None)
+    items = list(getattr(sids, "item_ids", ()))
+    if not hasattr(engine, "prompt_ids") or len(items) < 2:
+        return cap
+    history, pool = items[-1:], items[:-1]
+
+    def fits(n: int) -> bool:
+        try:
+            engine.prompt_ids(RerankRequest(history=history, candidates=pool[:n]), max_new_tokens)
+            return True
+        except ValueError:
+            return False
+
+    hi = min(cap, len(pool))
+    if fits(hi):
+        return cap  # a catalog smaller than cap: a request cannot name more items than it has
+    if not fits(1):
+        raise ValueError(f"no request fits the model's context: even one candidate's prompt does not fit beside "
+                         f"max_new_tokens={max_new_tokens}; lower --max-new-tokens")
+    lo = 1  # fits(lo) and not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 class RerankerService(pb_grpc.RerankerServicer):
     def __init__(self, engine, limits: ServiceLimits | None = None, retriever=None, max_batch: int = 8,
                  max_wait_ms: float = 5.0, max_queue: int = 64):
         self.engine = engine
-        self.limits = limits or ServiceLimits()
-        self.retriever = retriever
+        limits = limits or ServiceLimits()
         self.diffusion_available = getattr(engine, "diffusion", None) is not None
+        self.defaults = default_options(engine, limits)
+        if self.defaults.decoder == "diffusion" and not self.diffusion_available:
+            raise ValueError("decoder 'diffusion' needs a converted model (dgr2 convert); this one is AR only")
+        if limits.max_candidates is None:
+            limits = replace(limits, max_candidates=fitting_candidates(engine, limits.max_new_tokens))
+            log.info("max_candidates %d: what fits the model's context beside max_new_tokens %d",
+                     limits.max_candidates, limits.max_new_tokens)
+        self.limits = limits
+        self.retriever = retriever
         self.health = health.aio.HealthServicer()
         self.batcher = MicroBatcher(self._decode_batch, max_batch, max_wait_ms, max_queue)
+        self.metrics = ServiceMetrics(lambda: self.batcher.admitted)
+        # Prompts render on their own thread: the event loop stays free to refuse and answer while a
+        # long prompt tokenizes, and one thread keeps renders (the tokenizer) in arrival order.
+        self._render_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rerank-render")
         self.draining = False
         self._active = 0
         self._idle = asyncio.Event()
@@ -82,7 +145,9 @@ class RerankerService(pb_grpc.RerankerServicer):
         hook = model.register_forward_pre_hook(abandon_if_nobody_waits) if isinstance(model, torch.nn.Module) \
             else None
         try:
-            return self._rerank_isolating(preps)
+            results = self._rerank_isolating(preps)
+            self.metrics.observe_batch(preps[0].options.decoder, results)
+            return results
         except _Abandoned:
             log.info("abandoned a batch of %d: every caller left (deadline or cancellation)", len(preps))
             return [asyncio.CancelledError("abandoned")] * len(preps)
@@ -93,8 +158,11 @@ class RerankerService(pb_grpc.RerankerServicer):
     def _rerank_isolating(self, preps: list[Prepared]) -> list:
         options = replace(preps[0].options)  # all share the batch key
         requests = [p.request for p in preps]
+        prompts = [p.prompt_ids for p in preps]
         try:
-            return self.engine.rerank(requests, options)
+            if any(p is None for p in prompts):  # an engine without prompt_ids (test fakes) renders its own
+                return self.engine.rerank(requests, options)
+            return self.engine.rerank(requests, options, prompts=prompts)
         except _Abandoned:
             raise
         except ValueError:
@@ -123,9 +191,10 @@ class RerankerService(pb_grpc.RerankerServicer):
         if not items:
             return
         decoders = ["ar"] + (["diffusion"] if self.diffusion_available else [])
-        for decoder in decoders:
+        for decoder in decoders:  # with the default settings, so the default path is the warm one
             self.engine.rerank([RerankRequest(history=items[:1], candidates=items)],
-                               DecodeOptions(decoder=decoder, max_new_tokens=min(8, self.limits.max_new_tokens)))
+                               replace(self.defaults, decoder=decoder,
+                                       max_new_tokens=min(8, self.limits.max_new_tokens)))
 
     # ---- event loop ------------------------------------------------------------------------
     async def set_serving(self, serving: bool) -> None:
@@ -144,19 +213,38 @@ class RerankerService(pb_grpc.RerankerServicer):
             if self._active == 0:
                 self._idle.set()
 
-    async def _admit(self, context) -> None:
+    async def _admit(self, context) -> Admission:
+        """A place in the bounded queue, or the call ends here: UNAVAILABLE while draining,
+        RESOURCE_EXHAUSTED when full. Nothing has been done for the request yet."""
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is draining; retry on another replica")
+        try:
+            return self.batcher.admit()
+        except QueueFull as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except BatcherClosed as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
-    async def _run(self, prep: Prepared, context) -> pb.RerankResponse:
+    async def _render(self, prep: Prepared, context) -> None:
+        """The prompt, rendered here so a request that does not fit the model's context is answered
+        INVALID_ARGUMENT (naming the limit) instead of failing its batch on the decode thread."""
+        render = getattr(self.engine, "prompt_ids", None)
+        if render is None:
+            return
+        try:
+            prep.prompt_ids = await asyncio.get_running_loop().run_in_executor(
+                self._render_pool, render, prep.request, prep.options.max_new_tokens)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"candidates: the model cannot take this request: {e}")
+
+    async def _run(self, prep: Prepared, context, admission: Admission) -> pb.RerankResponse:
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the request was queued")
         try:
-            submit = self.batcher.submit(prep, prep.batch_key)
+            submit = self.batcher.submit(prep, prep.batch_key, admission)
             outcome = await (asyncio.wait_for(submit, remaining) if remaining is not None else submit)
-        except QueueFull as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 "deadline passed while the request was queued or decoding; its work was dropped")
@@ -169,25 +257,44 @@ class RerankerService(pb_grpc.RerankerServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"re-ranking failed: {value!r}")
         return build_response(prep, value, outcome.queue_ms, outcome.decode_ms, outcome.batch_size)
 
+    async def _observed(self, method: str, context, handler):
+        """Run a handler, counting its status code and latency (metrics.py)."""
+        t0 = time.perf_counter()
+        code = "OK"
+        try:
+            return await handler
+        except BaseException:
+            code = _status_name(context.code()) or ("CANCELLED" if context.cancelled() else "UNKNOWN")
+            raise
+        finally:
+            self.metrics.observe_request(method, code, time.perf_counter() - t0)
+
     async def Rerank(self, request, context):
-        if isinstance(request, UndecodableRequest):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail)
-        await self._admit(context)
-        with self._tracked():
-            try:
-                prep = validate_rerank(request, self.engine.known, self.limits, self.diffusion_available)
-            except ValidationError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            return await self._run(prep, context)
+        return await self._observed("Rerank", context, self._rerank(request, context))
 
     async def Recommend(self, request, context):
+        return await self._observed("Recommend", context, self._recommend(request, context))
+
+    async def _rerank(self, request, context):
         if isinstance(request, UndecodableRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail)
-        await self._admit(context)
+        with await self._admit(context) as admission, self._tracked():
+            try:
+                prep = validate_rerank(request, self.engine.known, self.limits, self.diffusion_available,
+                                       self.defaults)
+            except ValidationError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await self._render(prep, context)
+            return await self._run(prep, context, admission)
+
+    async def _recommend(self, request, context):
+        if isinstance(request, UndecodableRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail)
         if self.retriever is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "Recommend needs retrieval artifacts; start the server with --retrieval DIR")
-        with self._tracked():
+        # admission before retrieval: a refusal on a full queue costs no retrieval
+        with await self._admit(context) as admission, self._tracked():
             t0 = time.perf_counter()
             try:
                 history, truncated, n = self._validate_recommend(request)
@@ -198,12 +305,14 @@ class RerankerService(pb_grpc.RerankerServicer):
                 # the retrieved list goes through exactly the checks a Rerank request gets
                 rerank = pb.RerankRequest(user_id=request.user_id, history=history, options=request.options,
                                           candidates=[pb.Candidate(item_id=i, score=s) for i, s in zip(items, scores)])
-                prep = validate_rerank(rerank, self.engine.known, self.limits, self.diffusion_available)
+                prep = validate_rerank(rerank, self.engine.known, self.limits, self.diffusion_available,
+                                       self.defaults)
             except ValidationError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             prep.history_truncated = truncated
+            await self._render(prep, context)
             retrieval_ms = (time.perf_counter() - t0) * 1000.0
-            result = await self._run(prep, context)
+            result = await self._run(prep, context, admission)
             return pb.RecommendResponse(result=result, retrieval_ms=retrieval_ms)
 
     def _validate_recommend(self, request) -> tuple[list[str], bool, int]:
@@ -214,7 +323,7 @@ class RerankerService(pb_grpc.RerankerServicer):
         if len(request.user_id) > self.limits.max_item_id_chars:
             raise ValidationError("user_id", f"{len(request.user_id)} characters; at most "
                                              f"{self.limits.max_item_id_chars}")
-        n = request.num_candidates or self.limits.recommend_candidates
+        n = request.num_candidates or min(self.limits.recommend_candidates, self.limits.max_candidates)
         if n > self.limits.max_candidates:
             raise ValidationError("num_candidates", f"{n}; at most {self.limits.max_candidates}")
         history, truncated = truncate_history(request.history, self.limits)
@@ -222,7 +331,7 @@ class RerankerService(pb_grpc.RerankerServicer):
             raise ValidationError("history", "empty; Recommend retrieves from the user's history")
         if not any(self.retriever.known(h) for h in history):
             raise ValidationError("history", f"none of the {len(history)} items is known to the retriever")
-        validate_options(request.options, self.limits, self.diffusion_available, n)
+        validate_options(request.options, self.limits, self.diffusion_available, n, self.defaults)
         return history, truncated, n
 
     def _allowed_rows(self):
@@ -242,6 +351,11 @@ class RunningServer:
     @property
     def address(self) -> str:
         return _address(self.host, self.port)
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port /metrics is served on (None: off)."""
+        return self.service.metrics.port
 
     async def warm_up(self) -> None:
         """Warm the model on the decode thread, then report SERVING."""
@@ -263,16 +377,36 @@ class RunningServer:
         grace = self.config.drain_grace_s if grace_s is None else grace_s
         await svc.health.enter_graceful_shutdown()  # NOT_SERVING everywhere, and it stays so
         log.info("draining: %d request(s) in flight, up to %.0f s", svc._active, grace)
+        end = time.monotonic() + grace
         try:
             await asyncio.wait_for(svc._idle.wait(), grace)
+            # Every handler returned; their answers may still be on the way out. gRPC's stop returns
+            # once they are sent, so the wait is bounded by what is left of the grace (at least
+            # SEND_GRACE_S), not spent.
+            stop_grace = max(SEND_GRACE_S, end - time.monotonic())
         except asyncio.TimeoutError:
             log.warning("drain grace of %.1f s passed with %d request(s) still in flight", grace, svc._active)
-        await self.server.stop(grace=1.0)
+            # The in-flight calls had their grace: cancel them now (their callers leaving lets the
+            # decode thread abandon its batch).
+            stop_grace = CANCEL_GRACE_S
+        # /metrics stops meanwhile (its shutdown polls every 0.5 s)
+        await asyncio.gather(self.server.stop(grace=stop_grace), asyncio.to_thread(svc.metrics.close))
         await svc.batcher.close()
+        svc._render_pool.shutdown(wait=False, cancel_futures=True)
         log.info("stopped")
 
     async def wait(self) -> None:
         await self.server.wait_for_termination()
+
+
+def _status_name(code) -> str | None:
+    """A grpc.StatusCode (or its integer value, as grpc.aio's context.code() may give) by name."""
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    for status in grpc.StatusCode:
+        if status.value[0] == code:
+            return status.name
+    return None
 
 
 def _address(host: str, port: int) -> str:
@@ -349,6 +483,9 @@ async def start_server(engine, config: ServerConfig | None = None, retriever=Non
         port = server.add_insecure_port(address)
     if not port:
         raise RuntimeError(f"could not bind {address} (port in use or address not local)")
+    if config.metrics_port:
+        service.metrics.serve(config.host, config.metrics_port)
+        log.info("Prometheus metrics on http://%s/metrics", _address(config.host, service.metrics.port))
     service.batcher.start()
     await server.start()
     log.info("listening on %s (%s), NOT_SERVING until warmed up", _address(config.host, port),
@@ -431,8 +568,14 @@ class BackgroundServer:
 
 def serve(model_dir, data_dir, retrieval_dir=None, host: str = "127.0.0.1", port: int = 50051, max_batch: int = 8,
           max_wait_ms: float = 5.0, max_queue: int = 64, tls_cert=None, tls_key=None, device: str = "cpu",
-          drain_grace_s: float = 30.0, limits: ServiceLimits | None = None) -> int:
-    """Load the engine (and the retriever, if given) and serve until SIGTERM/SIGINT. Returns 0."""
+          drain_grace_s: float = 30.0, limits: ServiceLimits | None = None, metrics_port: int = 0,
+          exit_process: bool = True) -> int:
+    """Load the engine (and the retriever, if given) and serve until SIGTERM/SIGINT, then end the
+    process (exit_process) or return 0.
+
+    Ending the process at once, after flushing the logs, is what keeps the exit within the drain
+    grace: interpreter teardown would wait for a decode still running on the worker thread and
+    unload torch and its peers, seconds after "stopped"."""
     from ..engine import RerankEngine
 
     t0 = time.perf_counter()
@@ -445,18 +588,32 @@ def serve(model_dir, data_dir, retrieval_dir=None, host: str = "127.0.0.1", port
     log.info("loaded the model%s in %.1f s", " and the retriever" if retriever else "", time.perf_counter() - t0)
     config = ServerConfig(host=host, port=port, max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue,
                           tls_cert=str(tls_cert) if tls_cert else None, tls_key=str(tls_key) if tls_key else None,
-                          drain_grace_s=drain_grace_s, limits=limits or ServiceLimits())
+                          drain_grace_s=drain_grace_s, metrics_port=metrics_port, limits=limits or ServiceLimits())
     asyncio.run(run_until_signalled(engine, config, retriever))
+    if exit_process:
+        _exit_now(0)
     return 0
 
 
+def _exit_now(code: int) -> None:
+    """Flush what was logged and printed, then end the process without interpreter teardown."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 def serve_from_args(args: argparse.Namespace) -> int:
+    from ..decoding import explicit_from_args
+
+    decode = explicit_from_args(args, SERVER_DECODE_FLAGS)  # --max-new-tokens is a limit here, not a setting
     limits = ServiceLimits(max_candidates=args.max_candidates, max_history=args.max_history,
                            max_message_bytes=args.max_message_bytes, max_new_tokens=args.max_new_tokens,
-                           default_decoder=args.decoder, default_tau=args.tau,
-                           recommend_candidates=args.recommend_candidates)
+                           recommend_candidates=args.recommend_candidates, decode=decode)
     return serve(args.model, args.data, args.retrieval, args.host, args.port, args.max_batch, args.max_wait_ms,
-                 args.max_queue, args.tls_cert, args.tls_key, args.device, args.drain_grace_s, limits)
+                 args.max_queue, args.tls_cert, args.tls_key, args.device, args.drain_grace_s, limits,
+                 metrics_port=args.metrics_port)
 
 
 def main(argv=None) -> int:

@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import numpy as np
 
 from proto.diffusion_gr2.v1 import reranker_pb2 as pb
 
-from ..engine import DecodeOptions, RerankRequest, RerankResult
+from ..decoding import DecodeOptions, DecodeSettingError
+from ..engine import RerankRequest, RerankResult
 from .options import ServiceLimits
 
+# proto enum -> decode setting name (reranker.decoding owns the names; 0, UNSPECIFIED, is unset)
 DECODER_NAMES = {pb.DECODER_AR: "ar", pb.DECODER_DIFFUSION: "diffusion"}
-MAX_BLOCK_SIZE = 256  # the engine's own bound (DecodeOptions.validate)
+COMMIT_RULE_NAMES = {pb.COMMIT_RULE_CONFIDENCE: "confidence", pb.COMMIT_RULE_PREFIX: "prefix"}
 
 
 class ValidationError(ValueError):
@@ -36,11 +40,12 @@ class Prepared:
     history_truncated: bool
     history_unknown: int
 
+    prompt_ids: list[int] | None = None  # rendered at the handler (the context check), decoded as is
+
     @property
     def batch_key(self) -> tuple:
-        # requests share a batched decode only when every decode option matches
-        o = self.options
-        return (o.decoder, o.tau, o.block_size, o.temperature, o.max_new_tokens, o.max_steps_per_block, o.seed)
+        # requests share a batched decode only when every decode setting matches
+        return self.options.key
 
 
 def _short(text: str, n: int = 40) -> str:
@@ -54,33 +59,42 @@ def _check_id(field: str, item: str, limits: ServiceLimits) -> None:
         raise ValidationError(field, f"item id of {len(item)} characters; at most {limits.max_item_id_chars}")
 
 
+def _wire_float(value: float) -> float:
+    """The decimal a client wrote into a proto `float` (32 bits): 0.3 arrives as 0.30000001192...,
+    and decoding with that would compare confidences against another tau than `dgr2 eval --tau 0.3`
+    does. The shortest decimal that rounds to the same float32 is what was meant."""
+    return float(str(np.float32(value)))
+
+
 def validate_options(opts: pb.DecodeOptions, limits: ServiceLimits, diffusion_available: bool,
-                     n_candidates: int) -> tuple[DecodeOptions, int, bool]:
-    """(engine DecodeOptions, top_k, return_reasoning) from the proto options."""
-    if opts.decoder == pb.DECODER_UNSPECIFIED:
-        decoder = limits.default_decoder
-    elif opts.decoder in DECODER_NAMES:
-        decoder = DECODER_NAMES[opts.decoder]
-    else:  # proto3 enums are open: any int can arrive
-        raise ValidationError("options.decoder", f"unknown value {opts.decoder}; use DECODER_AR or DECODER_DIFFUSION")
-    if decoder == "diffusion" and not diffusion_available:
+                     n_candidates: int, defaults: DecodeOptions | None = None) -> tuple[DecodeOptions, int, bool]:
+    """(engine DecodeOptions, top_k, return_reasoning) from the proto options: each field set overrides
+    `defaults` (the server's: its flags over the model's recorded settings), then the one validation
+    of reranker.decoding, with "options." before the field it names."""
+    values = {}
+    if opts.decoder != pb.DECODER_UNSPECIFIED:
+        if opts.decoder not in DECODER_NAMES:  # proto3 enums are open: any int can arrive
+            raise ValidationError("options.decoder", f"unknown value {opts.decoder}; use DECODER_AR or "
+                                                     f"DECODER_DIFFUSION")
+        values["decoder"] = DECODER_NAMES[opts.decoder]
+    if opts.commit_rule != pb.COMMIT_RULE_UNSPECIFIED:
+        if opts.commit_rule not in COMMIT_RULE_NAMES:
+            raise ValidationError("options.commit_rule", f"unknown value {opts.commit_rule}; use "
+                                                         f"COMMIT_RULE_CONFIDENCE or COMMIT_RULE_PREFIX")
+        values["commit_rule"] = COMMIT_RULE_NAMES[opts.commit_rule]
+    for name, cast in (("tau", _wire_float), ("block_size", int), ("max_new_tokens", int), ("hold_eos", bool)):
+        if opts.HasField(name):
+            values[name] = cast(getattr(opts, name))
+    max_new = values.get("max_new_tokens")
+    if max_new is not None and not 1 <= max_new <= limits.max_new_tokens:
+        raise ValidationError("options.max_new_tokens", f"must be in [1, {limits.max_new_tokens}], got {max_new}")
+    defaults = defaults or DecodeOptions(max_new_tokens=limits.max_new_tokens)
+    try:
+        options = replace(defaults, **values).validate("options.")
+    except DecodeSettingError as e:
+        raise ValidationError(e.field, e.problem) from None
+    if options.decoder == "diffusion" and not diffusion_available:
         raise ValidationError("options.decoder", "diffusion needs a converted model; this server's model is AR only")
-    tau = limits.default_tau
-    if opts.HasField("tau"):
-        tau = float(opts.tau)
-        if not math.isfinite(tau) or not 0.0 < tau <= 1.0:
-            raise ValidationError("options.tau", f"must be in (0, 1], got {tau}")
-    block_size = None
-    if opts.HasField("block_size"):
-        block_size = int(opts.block_size)
-        if not 1 <= block_size <= MAX_BLOCK_SIZE:
-            raise ValidationError("options.block_size", f"must be in [1, {MAX_BLOCK_SIZE}], got {block_size}")
-    max_new = limits.max_new_tokens
-    if opts.HasField("max_new_tokens"):
-        max_new = int(opts.max_new_tokens)
-        if not 1 <= max_new <= limits.max_new_tokens:
-            raise ValidationError("options.max_new_tokens", f"must be in [1, {limits.max_new_tokens}], got {max_new}")
-    options = DecodeOptions(decoder=decoder, tau=tau, block_size=block_size, max_new_tokens=max_new)
     # top_k larger than the list just means "all of them"
     top_k = min(int(opts.top_k), n_candidates)
     return options, top_k, bool(opts.return_reasoning)
@@ -95,7 +109,7 @@ def truncate_history(history, limits: ServiceLimits) -> tuple[list[str], bool]:
 
 
 def validate_rerank(req: pb.RerankRequest, known: Callable[[str], bool], limits: ServiceLimits,
-                    diffusion_available: bool) -> Prepared:
+                    diffusion_available: bool, defaults: DecodeOptions | None = None) -> Prepared:
     size = req.ByteSize()
     if size > limits.max_message_bytes:
         raise ValidationError("request", f"{size} bytes; at most {limits.max_message_bytes}")
@@ -104,7 +118,7 @@ def validate_rerank(req: pb.RerankRequest, known: Callable[[str], bool], limits:
     n = len(req.candidates)
     if n == 0:
         raise ValidationError("candidates", "empty; send at least one candidate")
-    if n > limits.max_candidates:
+    if limits.max_candidates is not None and n > limits.max_candidates:  # None: the server derives it at start
         raise ValidationError("candidates", f"{n} candidates; at most {limits.max_candidates}")
     seen: dict[str, int] = {}
     ids, scores = [], []
@@ -123,7 +137,7 @@ def validate_rerank(req: pb.RerankRequest, known: Callable[[str], bool], limits:
         ids.append(cand.item_id)
         scores.append(float(cand.score))
     history, truncated = truncate_history(req.history, limits)
-    options, top_k, reasoning = validate_options(req.options, limits, diffusion_available, n)
+    options, top_k, reasoning = validate_options(req.options, limits, diffusion_available, n, defaults)
     unknown = sum(1 for h in history if not known(h))  # the engine leaves these out of the prompt
     return Prepared(RerankRequest(history=history, candidates=ids, scores=scores, user=req.user_id or None),
                     options, scores, top_k, reasoning, truncated, unknown)

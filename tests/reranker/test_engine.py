@@ -101,7 +101,7 @@ def test_bad_requests_are_clear(parts):
     eng = RerankEngine(parts["model"], parts["tok"], parts["sids"], parts["meta"], parts["cp"], max_prompt_tokens=4096)
     with pytest.raises(ValueError, match="'nope' has no semantic ID"):
         eng.rerank([RerankRequest(history=[], candidates=["nope"])])
-    with pytest.raises(ValueError, match="tau must be in"):
+    with pytest.raises(ValueError, match=r"tau: must be in \(0, 1\], got 1.5"):
         eng.rerank([request()], DecodeOptions(tau=1.5))
     with pytest.raises(ValueError, match="needs a converted model"):
         eng.rerank([request()], DecodeOptions(decoder="diffusion"))

@@ -12,25 +12,38 @@ class Decoder(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DECODER_UNSPECIFIED: _ClassVar[Decoder]
     DECODER_AR: _ClassVar[Decoder]
     DECODER_DIFFUSION: _ClassVar[Decoder]
+
+class CommitRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COMMIT_RULE_UNSPECIFIED: _ClassVar[CommitRule]
+    COMMIT_RULE_CONFIDENCE: _ClassVar[CommitRule]
+    COMMIT_RULE_PREFIX: _ClassVar[CommitRule]
 DECODER_UNSPECIFIED: Decoder
 DECODER_AR: Decoder
 DECODER_DIFFUSION: Decoder
+COMMIT_RULE_UNSPECIFIED: CommitRule
+COMMIT_RULE_CONFIDENCE: CommitRule
+COMMIT_RULE_PREFIX: CommitRule
 
 class DecodeOptions(_message.Message):
-    __slots__ = ("decoder", "tau", "block_size", "return_reasoning", "top_k", "max_new_tokens")
+    __slots__ = ("decoder", "tau", "block_size", "return_reasoning", "top_k", "max_new_tokens", "commit_rule", "hold_eos")
     DECODER_FIELD_NUMBER: _ClassVar[int]
     TAU_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     RETURN_REASONING_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_RULE_FIELD_NUMBER: _ClassVar[int]
+    HOLD_EOS_FIELD_NUMBER: _ClassVar[int]
     decoder: Decoder
     tau: float
     block_size: int
     return_reasoning: bool
     top_k: int
     max_new_tokens: int
-    def __init__(self, decoder: _Optional[_Union[Decoder, str]] = ..., tau: _Optional[float] = ..., block_size: _Optional[int] = ..., return_reasoning: _Optional[bool] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+    commit_rule: CommitRule
+    hold_eos: bool
+    def __init__(self, decoder: _Optional[_Union[Decoder, str]] = ..., tau: _Optional[float] = ..., block_size: _Optional[int] = ..., return_reasoning: _Optional[bool] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., commit_rule: _Optional[_Union[CommitRule, str]] = ..., hold_eos: _Optional[bool] = ...) -> None: ...
 
 class Candidate(_message.Message):
     __slots__ = ("item_id", "score")

@@ -195,5 +195,5 @@ def test_prefix_rule_commits_left_to_right():
         diffusion_decode(model, prompts, 4, 4, MASK, eos, commit_rule="nope")
     from reranker.engine import DecodeOptions
 
-    with pytest.raises(ValueError, match="commit_rule must be one of"):
+    with pytest.raises(ValueError, match="commit_rule: must be one of"):
         DecodeOptions(decoder="diffusion", commit_rule="nope").validate()

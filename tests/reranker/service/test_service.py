@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from proto.diffusion_gr2.v1 import reranker_pb2 as pb
-from reranker.engine import RerankEngine, RerankRequest, RerankResult
+from reranker.engine import DecodeOptions, RerankEngine, RerankRequest, RerankResult
 from reranker.service.client import RerankerClient, client_main, rerank_request
 from reranker.service.server import BackgroundServer, ServerConfig, serve
 from reranker.service.validation import ServiceLimits
@@ -34,7 +34,7 @@ def make_service_dirs(root: Path) -> dict:
     """model/ (tiny random Qwen3 + tokenizer), diffusion/ (converted), data/ (sids, build_info),
     retrieval/ (sequences.json) and items.item: everything RerankEngine.load reads."""
     from reranker.diffusion.convert import convert_to_diffusion
-    from reranker.model import build_model, save_model
+    from reranker.model import SIZES, build_model, save_model
     from reranker.text.prompt import render_assistant
     from reranker.text.sid import build_semantic_ids
     from reranker.text.tokenizer import build_tokenizer
@@ -56,7 +56,9 @@ def make_service_dirs(root: Path) -> dict:
     corpus = [render_assistant("brand match and cobought evidence", [sids.sid_string(i) for i in ITEMS[:10]])] * 5
     tok = build_tokenizer(corpus + [f"History Candidates retriever order cobought brand category {t}" for t in ITEMS],
                           vocab_size=400)
-    model = build_model(len(tok), size="tiny", pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0)
+    # tiny, with a context that holds 100 candidates' prompt (the service checks prompts against it)
+    model = build_model(len(tok), size={**SIZES["tiny"], "max_position_embeddings": 4096},
+                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0)
     save_model(model, tok, root / "model")
     convert_to_diffusion(root / "model", root / "diffusion", block_size=4)
     return {"root": root, "model": root / "model", "diffusion": root / "diffusion", "data": root / "data",
@@ -121,7 +123,7 @@ class SlowEngine:
     def known(self, item):
         return item in ITEMS
 
-    def rerank(self, requests, options):
+    def rerank(self, requests, options, prompts=None):
         self.gate.wait(30)
         self.started.append([r.user for r in requests])
         for _ in range(options.max_new_tokens):
@@ -185,7 +187,7 @@ def test_valid_answer_is_reranked_with_reasoning(dirs):
 
 def test_micro_batching_groups_same_options(server):
     with RerankerClient(server.target) as c, ThreadPoolExecutor(6) as pool:
-        same = [pool.submit(c.rerank, ITEMS[k:k + 5], max_new_tokens=8) for k in range(4)]
+        same = [pool.submit(c.rerank, ITEMS[k:k + 5], max_new_tokens=8, decoder="ar") for k in range(4)]
         other = [pool.submit(c.rerank, ITEMS[k:k + 5], max_new_tokens=8, decoder="diffusion") for k in range(2)]
         same, other = [f.result(60) for f in same], [f.result(60) for f in other]
     assert max(r.stats.batch_size for r in same) >= 2  # 100 ms wait: concurrent calls share a decode
@@ -198,8 +200,9 @@ def test_one_unrenderable_request_does_not_fail_its_batch(dirs):
     eng = RerankEngine.load(dirs["model"], dirs["data"])
     short = len(eng.prompt_ids(RerankRequest(history=[], candidates=ITEMS[:3])))
     eng.max_prompt_tokens = short + 40  # 3 candidates fit, 25 do not
-    with BackgroundServer(eng, config(max_batch=4, max_wait_ms=300)) as srv, RerankerClient(srv.target) as c, \
-            ThreadPoolExecutor(2) as pool:
+    # max_candidates above what fits: the prompt check itself must refuse the long one
+    with BackgroundServer(eng, config(max_batch=4, max_wait_ms=300, limits=limits(max_candidates=100))) as srv, \
+            RerankerClient(srv.target) as c, ThreadPoolExecutor(2) as pool:
         srv.warmed.result(60)
         ok = pool.submit(c.rerank, ITEMS[:3], max_new_tokens=4)
         long = pool.submit(code_of, lambda: c.rerank(ITEMS[:25], max_new_tokens=4))
@@ -231,6 +234,7 @@ BAD = [  # (request fields, field named in the message)
     (dict(candidates=["i01"], options=pb.DecodeOptions(block_size=257)), "options.block_size"),
     (dict(candidates=["i01"], options=pb.DecodeOptions(max_new_tokens=10_000)), "options.max_new_tokens"),
     (dict(candidates=["i01"], options=pb.DecodeOptions(decoder=7)), "options.decoder"),
+    (dict(candidates=["i01"], options=pb.DecodeOptions(commit_rule=9)), "options.commit_rule"),
     (dict(candidates=["i01"], history=["i02", ""]), "history[1]"),
     (dict(candidates=["i01"], user_id="u" * 300), "user_id"),
 ]
@@ -275,7 +279,8 @@ def test_overload_is_rejected_fast_and_accepted_complete():
             out = list(pool.map(timed, range(10)))
     ok = [t for code, t in out if code == grpc.StatusCode.OK]
     rejected = [t for code, t in out if code == grpc.StatusCode.RESOURCE_EXHAUSTED]
-    assert len(ok) + len(rejected) == 10 and 1 <= len(ok) <= 4 and rejected, out
+    # exactly --max-queue admitted, the decoding request included (the old queue took 2 more beside it)
+    assert len(ok) + len(rejected) == 10 and len(ok) == 2, out
     # Rejected without waiting for a decode slot: every refusal is back before one decode could
     # have finished. (Not a wall-clock bar: on a quiet machine they take a few ms, on a loaded one
     # the same code path took ~0.24 s; a timed assertion would fail by load, not by a bug.)
@@ -383,7 +388,10 @@ def test_client_main_prints_json(server, capsys):
     assert client_main(["rerank", "--target", target, "--candidates", "i01,i02,i03", "--scores", "3,2,1",
                         "--history", "i05", "--max-new-tokens", "4", "--top-k", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert len(out["items"]) == 2 and out["stats"]["decoder"] == "ar"
+    assert len(out["items"]) == 2 and out["stats"]["decoder"] == "diffusion"  # what the converted model records
+    assert client_main(["rerank", "--target", target, "--candidates", "i01,i02,i03", "--max-new-tokens", "4",
+                        "--commit-rule", "prefix", "--hold-eos", "--tau", "0.5"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["decoder"] == "diffusion"
     assert client_main(["rerank", "--target", target, "--candidates", "i01,nope"]) == 1
     assert "INVALID_ARGUMENT: candidates[1].item_id" in capsys.readouterr().err
     assert client_main(["recommend", "--target", target, "--history", "i01"]) == 1
@@ -514,3 +522,223 @@ def test_sigterm_drains_the_real_server(dirs):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---- the service decodes as `dgr2 eval` does -----------------------------------------------------
+EXAMPLES = [{"user": f"u{k}", "history": ITEMS[20 + k:23 + k], "candidates": ITEMS[k:k + 5],
+             "scores": [1.0 - j / 10 for j in range(5)], "target_index": k % 5} for k in range(3)]
+
+
+def recording(engine) -> list:
+    """Make this engine instance record each batch's decode options and generated texts."""
+    seen, real = [], engine.rerank
+
+    def rerank(requests, options=None, prompts=None):
+        out = real(requests, options, prompts=prompts)
+        seen.append((options, [r.text for r in out]))
+        return out
+
+    engine.rerank = rerank
+    return seen
+
+
+def test_grpc_rankings_equal_eval_outputs(dirs, tmp_path):
+    from integration.cli import main
+
+    with open(dirs["data"] / "test.jsonl", "w") as f:
+        f.writelines(json.dumps(ex) + "\n" for ex in EXAMPLES)
+    # a copy of the student that records the prefix rule: callers that send no settings get it
+    recorded = tmp_path / "student"
+    recorded.mkdir()
+    for p in dirs["diffusion"].iterdir():
+        (recorded / p.name).write_bytes(p.read_bytes())
+    assert main(["model", "decode-settings", str(recorded), "--commit-rule", "prefix", "--tau", "0.3",
+                 "--hold-eos"]) == 0
+    prefix = dict(decoder="diffusion", tau=0.3, commit_rule="prefix", hold_eos=True)
+    cases = [  # (model, settings sent by both eval and the request)
+        (dirs["diffusion"], dict(decoder="ar")),
+        (dirs["diffusion"], dict(decoder="diffusion", tau=0.3, commit_rule="confidence")),
+        (dirs["diffusion"], prefix),
+        (recorded, {}),  # nothing sent: the model's recorded prefix settings
+    ]
+    texts = []
+    for model_dir, settings in cases:
+        flags = [f for k, v in settings.items() for f in
+                 ([f"--{k.replace('_', '-')}"] if v is True else [f"--{k.replace('_', '-')}", str(v)])]
+        out = tmp_path / "outputs.jsonl"
+        assert main(["eval", "--model", str(model_dir), "--data", str(dirs["data"]), "--max-new-tokens", "24",
+                     "--batch-size", "1", "--outputs", str(out), *flags]) == 0
+        expected = [json.loads(line) for line in out.read_text().splitlines()]
+
+        eng = RerankEngine.load(model_dir, dirs["data"])
+        seen = recording(eng)
+        with BackgroundServer(eng, config(max_batch=1)) as srv, RerankerClient(srv.target, timeout=60) as c:
+            srv.warmed.result(60)
+            del seen[:]  # the warm-up's decodes
+            for ex, want in zip(EXAMPLES, expected):
+                resp = c.rerank(ex["candidates"], ex["history"], ex["scores"], ex["user"], **settings)
+                got = [it.previous_rank - 1 for it in resp.items]
+                assert got == want["permutation"], (settings, got, want)
+                assert (resp.valid, resp.failure or None) == (want["valid"], want["failure"])
+                assert resp.stats.generated_tokens == want["generated_tokens"]
+                assert resp.stats.forward_passes == want["forward_passes"]
+        # the same settings reached the decoder, and it wrote the same text eval did
+        used = {o.key for o, _ in seen}
+        assert len(used) == 1, used
+        options = seen[0][0]
+        assert (options.decoder, options.tau if options.decoder == "diffusion" else None) == (
+            settings.get("decoder", "diffusion"), settings.get("tau", 0.3) if options.decoder == "diffusion" else None)
+        if model_dir == recorded or settings is prefix:
+            assert (options.commit_rule, options.hold_eos) == ("prefix", True)
+        assert [t for _, ts in seen for t in ts] == [w["text"] for w in expected]
+        texts.append([w["text"] for w in expected])
+    assert texts[1] != texts[2] and texts[2] == texts[3]  # the rule changes the decode; the record is used
+
+
+def test_convert_records_the_decode_settings(dirs, tmp_path):
+    from integration.cli import main
+    from reranker.decoding import recorded_in
+
+    assert recorded_in(dirs["model"]) == {} and recorded_in(dirs["diffusion"]) == {"decoder": "diffusion"}
+    out = tmp_path / "converted"
+    assert main(["convert", "--from", str(dirs["model"]), "--to", str(out), "--block-size", "4",
+                 "--commit-rule", "prefix", "--no-hold-eos"]) == 0  # --block-size is the conversion's own
+    assert recorded_in(out) == {"decoder": "diffusion", "commit_rule": "prefix", "hold_eos": False}
+    assert RerankEngine.load(out, dirs["data"]).decode_options({"tau": 0.5}) == DecodeOptions(
+        decoder="diffusion", commit_rule="prefix", tau=0.5)
+
+
+# ---- probes: refusals before work, the context limit, drain time, metrics ---------------------------
+def test_prompt_over_the_context_is_refused_at_the_handler(dirs):
+    eng = RerankEngine.load(dirs["model"], dirs["data"])
+    ctx = eng.model.config.max_position_embeddings
+    calls = []
+    real = eng.rerank
+    eng.rerank = lambda requests, options=None, prompts=None: calls.append(len(requests)) or real(
+        requests, options, prompts=prompts)
+    five = len(eng.prompt_ids(RerankRequest(history=[ITEMS[-1]], candidates=ITEMS[:5])))
+    six = len(eng.prompt_ids(RerankRequest(history=[ITEMS[-1]], candidates=ITEMS[:6])))
+    assert five < six
+    budget = ctx - five  # exactly five candidates fit beside this many new tokens
+    with BackgroundServer(eng, config(limits=limits(max_new_tokens=budget))) as srv, \
+            RerankerClient(srv.target, timeout=20) as c:
+        srv.warmed.result(60)
+        # --max-candidates left unset: derived from what fits, not 100
+        assert srv.service.limits.max_candidates == 5
+        code, msg = code_of(lambda: c.rerank(ITEMS[:6], [ITEMS[-1]]))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("candidates: 6 candidates; at most 5")
+    with BackgroundServer(eng, config(limits=limits(max_new_tokens=budget, max_candidates=100))) as srv, \
+            RerankerClient(srv.target, timeout=20) as c:
+        srv.warmed.result(60)
+        del calls[:]
+        code, msg = code_of(lambda: c.rerank(ITEMS[:6], [ITEMS[-1]], max_new_tokens=budget))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, msg)
+        assert msg.startswith("candidates: the model cannot take this request") and \
+            f"max_position_embeddings={ctx} - max_new_tokens={budget}" in msg, msg
+        assert calls == []  # refused at the handler: the decode thread never saw it
+        assert len(c.rerank(ITEMS[:6], [ITEMS[-1]], max_new_tokens=4).items) == 6  # a smaller budget fits
+
+
+class CountingRetriever:
+    """Recommend's retriever, counting the retrievals."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def known(self, item):
+        return item in ITEMS
+
+    def allowed_mask(self, known):
+        return None
+
+    def retrieve(self, history, n, allowed=None):
+        self.calls += 1
+        items = [i for i in ITEMS if i not in history][:n]
+        return items, [1.0] * len(items)
+
+
+def test_recommend_checks_admission_before_it_retrieves():
+    eng, retriever = SlowEngine(step_s=0.01), CountingRetriever()
+    with BackgroundServer(eng, slow_config(max_batch=1, max_queue=1, max_wait_ms=0), retriever=retriever) as srv, \
+            RerankerClient(srv.target, timeout=30) as c, ThreadPoolExecutor(2) as pool:
+        srv.warmed.result(30)
+        busy = [pool.submit(code_of, lambda k=k: c.send(slow_request(f"busy{k}", 100))) for k in range(2)]
+        while not eng.started[1:]:  # the warm-up, then the first busy request decoding
+            time.sleep(0.005)
+        time.sleep(0.05)
+        code, msg = code_of(lambda: c.recommend(["i03"], num_candidates=3))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, msg)
+        assert retriever.calls == 0  # refused before any retrieval
+        assert sorted(f.result(30)[0].name for f in busy) == ["OK", "RESOURCE_EXHAUSTED"]
+        assert c.recommend(["i03"], num_candidates=3).result.items and retriever.calls == 1
+
+
+def test_sigterm_exits_within_grace_plus_one_second(dirs):
+    grace = 1.0
+    proc, target, lines, reader = launch_server(dirs["model"], dirs["data"], "--max-batch", "1",
+                                                "--max-new-tokens", "1500", "--drain-grace-s", str(grace))
+    try:
+        with RerankerClient(target, timeout=60) as c, ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(code_of, lambda k=k: c.rerank(ITEMS[k:k + 10], ["i20"], max_new_tokens=1500))
+                       for k in range(3)]  # seconds each, one at a time: far more than the grace
+            time.sleep(0.5)
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            rc = proc.wait(30)
+            took = time.monotonic() - sent
+            codes = [f.result(30)[0] for f in futures]
+        assert rc == 0
+        assert took <= grace + 1.0, f"exited {took:.2f} s after SIGTERM with a {grace} s grace"
+        assert grpc.StatusCode.OK not in codes  # the work outlasted the grace: it was cut, not waited for
+        reader.join(10)
+        text = "".join(lines.get() for _ in range(lines.qsize()))
+        assert "SIGTERM: draining" in text and "stopped" in text, text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict:
+    """{(name, labels as a sorted tuple): value} from /metrics over loopback."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_prometheus_metrics_over_loopback(engine, server):
+    port = free_port()
+    # a second server in the same process as the module's: each has its own registry
+    with BackgroundServer(engine, config(metrics_port=port)) as srv, RerankerClient(srv.target, timeout=60) as c:
+        srv.warmed.result(60)
+        assert srv.running.metrics_port == port
+        for decoder in ("ar", "diffusion"):
+            c.rerank(ITEMS[:4], ["i20"], decoder=decoder, max_new_tokens=8)
+        assert code_of(lambda: c.rerank(["nope"]))[0] == grpc.StatusCode.INVALID_ARGUMENT
+        m = scrape(port)
+    assert m[("dgr2_requests_total", (("code", "OK"), ("method", "Rerank")))] == 2
+    assert m[("dgr2_requests_total", (("code", "INVALID_ARGUMENT"), ("method", "Rerank")))] == 1
+    assert m[("dgr2_request_latency_seconds_count", (("method", "Rerank"),))] == 3
+    assert m[("dgr2_queue_depth", ())] == 0
+    for decoder in ("ar", "diffusion"):
+        d = (("decoder", decoder),)
+        assert m[("dgr2_batch_size_count", d)] >= 1  # the warm-up's decode and the request's
+        results = m[("dgr2_rerank_results_total", d)]
+        assert results >= 1 and 0 <= m[("dgr2_fallbacks_total", d)] <= results
+        assert m[("dgr2_tokens_per_forward_count", d)] >= 1
+    assert 0 < m[("dgr2_tokens_per_forward_sum", (("decoder", "ar"),))] / \
+        m[("dgr2_tokens_per_forward_count", (("decoder", "ar"),))] <= 1.0  # AR: one token per forward
+    with pytest.raises(OSError):  # stopped with its server
+        scrape(port)
