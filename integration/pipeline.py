@@ -119,11 +119,14 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     # 4. Conversion and diffusion stages.
     t = time.time()
     block = int(section(cfg, "convert").get("block_size", 32))
+    # The decode settings the student is trained and served for (commit rule, EOS hold, tau): recorded
+    # in the converted model, carried by every later stage, used by OPD/RL rollouts, eval and serve.
+    decode = section(cfg, "convert").get("decode") or {}
     naive_dir = out / "models" / "naive"
-    h_conv = _hash("convert", ar_runs[-1].get("config_hash") if ar_runs else h_init, block)
+    h_conv = _hash("convert", ar_runs[-1].get("config_hash") if ar_runs else h_init, block, decode)
     if not _done(out / "models" / ".naive_done.json", h_conv):
         _step("convert", 4, n_steps, f"AR -> block diffusion, B = {block}")
-        convert_to_diffusion(ar_dir, naive_dir, block_size=block)
+        convert_to_diffusion(ar_dir, naive_dir, block_size=block, decode=decode)
         _mark(out / "models" / ".naive_done.json", h_conv)
     d_specs = []
     for s in DIFFUSION_STAGES:
@@ -167,7 +170,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     rows += [{"name": rep["label"], **{k: rep.get(k) for k in keep}} for rep in table]
     baselines = json.loads((data_dir / "baselines.json").read_text())
     summary = {"name": cfg.get("name"), "test_users": table[0]["n"] if table else 0,
-               "tau": float(section(cfg, "eval").get("tau", 0.9)), "block_size": block, "rows": rows,
+               "tau": next((r["tau"] for r in table if r.get("decoder") == "diffusion"), None), "block_size": block, "rows": rows,
                "retrieval": {k: retrieval.get(k) for k in
                ("recall@10", "ndcg@10", "recall@10_masked", "ndcg@10_masked", "test_users_target_in_top10")},
                "baselines": baselines["methods"],
@@ -242,8 +245,7 @@ def _items_file(rs) -> Path:
 
 
 # the eval config's decode settings (reranker.decoding's names); what it leaves out, the model records
-EVAL_DECODE_KEYS = ("tau", "max_new_tokens", "commit_rule", "hold_eos")
-EVAL_KEYS = ("split", "limit", "batch_size", *EVAL_DECODE_KEYS)
+EVAL_DECODE_KEYS = ("tau", "max_new_tokens", "commit_rule", "hold_eos")  # the eval section's decode settings
 
 
 def _weights_hash(model_dir: Path) -> str:
@@ -288,7 +290,9 @@ def evaluate_rows(rows, data_dir: Path, ecfg: dict, eval_dir: Path) -> list[dict
     out, ar_ranks, by_key = [], None, {}
     for label, model_dir, decoder in rows:
         opts = _decode_options(ecfg, decoder, model_dir)
-        key = _hash("eval", _weights_hash(model_dir), test_hash, decoder, {k: ecfg.get(k) for k in EVAL_KEYS})
+        # The resolved options, not the config subset: what a model directory records counts too.
+        key = _hash("eval", _weights_hash(model_dir), test_hash, opts.as_dict(),
+                    {k: ecfg.get(k) for k in ("split", "limit", "batch_size")})
         path = eval_dir / f"{label.replace(' ', '_').replace('+', 'p')}.json"
         cached = json.loads(path.read_text()) if path.is_file() else None
         if cached is not None and cached.get("eval_key") == key:
@@ -331,8 +335,8 @@ def measure_final_speed(ar_dir: Path, diff_dir: Path, data_dir: Path, scfg: dict
 
     opts = _decode_options(ecfg, "diffusion", diff_dir)
     settings = {k: scfg.get(k) for k in SPEED_KEYS}
-    key = _hash("speed", _weights_hash(ar_dir), _weights_hash(diff_dir), settings,
-                {k: ecfg.get(k) for k in EVAL_KEYS})
+    key = _hash("speed", _weights_hash(ar_dir), _weights_hash(diff_dir), settings, opts.as_dict(),
+                {k: ecfg.get(k) for k in ("split",)})
     if path.is_file():
         cached = json.loads(path.read_text())
         if cached.get("speed_key") == key:

@@ -121,6 +121,15 @@ def resolve(explicit: Mapping | None = None, recorded: Mapping | None = None) ->
     return DecodeOptions(**values).validate()
 
 
+def served_rollout_settings(cfg: dict, model_config) -> dict:
+    """A diffusion training stage's rollout `tau` and `commit_rule` (OPD, RL): the stage config's,
+    where it sets them (None = not set), else what the student records, else the defaults. Stages
+    then roll out exactly as the model is served."""
+    opts = resolve({"decoder": "diffusion", "tau": cfg.get("tau"), "commit_rule": cfg.get("commit_rule")},
+                   recorded_settings(model_config))
+    return {"tau": opts.tau, "commit_rule": opts.commit_rule}
+
+
 def check_recorded(settings, where: str) -> dict:
     """A model's recorded decode settings, checked: a dict with only RECORDED names and valid values.
     `where` names the file in errors."""

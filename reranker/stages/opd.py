@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from reranker.diffusion import DiffusionResult, diffusion_decode, replay_logits
+from reranker.decoding import served_rollout_settings
 from reranker.diffusion.forward import check_commit_rule, forward
 from reranker.diffusion.masks import block_causal_mask, pack_prompt_response, position_ids_for
 from reranker.rl.distill import DIVERGENCES, TeacherLogits, cache_teacher, divergence
@@ -57,12 +58,12 @@ DEFAULTS = {
     "grad_accum": 1,
     "micro_batch_size": None,
     "group_size": 4,  # G': rollouts per prompt
-    "tau": 0.9,  # serving confidence threshold
+    "tau": None,  # rollout confidence threshold; None: the student's recorded one (reranker.decoding)
     "block_size": None,  # None: the student's config.diffusion.block_size
     "temperature": 1.0,
     "max_new_tokens": 256,
     "max_steps_per_block": None,
-    "commit_rule": "confidence",  # the decoder's commit rule, as served (forward.commit_confident)
+    "commit_rule": None,  # the decoder's commit rule; None: the student's recorded one, as served
     "divergence": "forward_kl",  # forward_kl | reverse_kl | jsd
     "jsd_beta": 0.5,
     "top_k": 64,  # teacher cache: top-k logits + log-sum-exp; 0 = full logits
@@ -192,7 +193,8 @@ def check_config(cfg: dict) -> None:
     if int(cfg["top_k"]) < 0:
         raise ValueError(f"opd: top_k must be >= 0 (0 = full logits), got {cfg['top_k']}")
     check_autocast(cfg["autocast"])
-    check_commit_rule(cfg["commit_rule"], "opd: commit_rule")
+    if cfg["commit_rule"] is not None:
+        check_commit_rule(cfg["commit_rule"], "opd: commit_rule")
 
 
 def train_opd(ctx: StageContext) -> StageResult:
@@ -200,6 +202,7 @@ def train_opd(ctx: StageContext) -> StageResult:
     rank, world = ctx.rank, ctx.world_size
     notes = []
     model, tok, B, mask_id = load_diffusion_model(ctx, cfg["block_size"], cfg["dtype"], notes.append)
+    cfg.update(served_rollout_settings(cfg, model.config))
     model.eval()  # no dropout: the replayed policy is the one that sampled (gradients still flow)
     teacher = load_teacher(cfg["teacher"], tok, cfg["dtype"], device)
     ids = token_ids(tok)

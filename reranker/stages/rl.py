@@ -26,6 +26,7 @@ Positions never committed are never actions.
 """
 from __future__ import annotations
 
+from reranker.decoding import served_rollout_settings
 from reranker.diffusion.convert import load_diffusion_config
 from reranker.diffusion.diffusion_decoder import diffusion_decode
 from reranker.diffusion.forward import check_commit_rule
@@ -40,10 +41,10 @@ DEFAULTS = {
     **PO.DEFAULTS,  # no top_p: the diffusion decoder has none
     "eps_low": 0.2,
     "eps_high": 0.2,  # GRPO's symmetric clip
-    "tau": 0.9,  # commit threshold, as served
+    "tau": None,  # commit threshold; None: the student's recorded one (reranker.decoding), as served
     "block_size": None,  # None: config.diffusion.block_size of the input model
     "max_steps_per_block": None,  # None: block_size (the decoder's default)
-    "commit_rule": "confidence",  # the decoder's commit rule, as served (forward.commit_confident)
+    "commit_rule": None,  # the decoder's commit rule; None: the student's recorded one, as served
     "action_tokens": "kept",
     "replay_max_windows": None,  # bound the noisy windows per replay forward (memory); same result
 }
@@ -53,9 +54,10 @@ def check_config(cfg: dict) -> None:
     PO.check_config(cfg)
     if cfg["action_tokens"] not in ACTION_TOKENS:
         raise ValueError(f"action_tokens must be one of {ACTION_TOKENS}, got {cfg['action_tokens']!r}")
-    if not 0.0 < float(cfg["tau"]) <= 1.0:
+    if cfg["tau"] is not None and not 0.0 < float(cfg["tau"]) <= 1.0:
         raise ValueError(f"tau must be in (0, 1], got {cfg['tau']}")
-    check_commit_rule(cfg["commit_rule"], "commit_rule")
+    if cfg["commit_rule"] is not None:
+        check_commit_rule(cfg["commit_rule"], "commit_rule")
 
 
 class DiffusionPolicy:
@@ -87,6 +89,7 @@ class DiffusionPolicy:
 
 def make_diffusion_policy(model, scorer: Scorer, cfg: dict) -> DiffusionPolicy:
     info = load_diffusion_config(model)
+    cfg = {**cfg, **served_rollout_settings(cfg, model.config)}
     if info is None:
         raise ValueError("rl needs a block-diffusion model (config.diffusion); convert the AR model first "
                          "(reranker.diffusion.convert.convert_to_diffusion / dgr2 convert)")

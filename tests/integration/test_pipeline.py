@@ -1,4 +1,5 @@
 """`dgr2 pipeline` end to end on tiny synthetic data and tiny models, and its skip-when-done."""
+import json
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ def config(tmp_path_factory, tiny_catalog):
                                                       "MAX_ITEM_LIST_LENGTH": 20}},
         "rerank_data": {"n_selection_users": 60, "tokenizer_vocab": 500, "max_train_examples": 40},
         "model": {"size": TINY},
-        "convert": {"block_size": 8},
+        "convert": {"block_size": 8, "decode": {"commit_rule": "prefix", "hold_eos": True}},
         "stages": {
             "copy_warmup": {"epochs": 1, "batch_size": 8},
             "sft": {"epochs": 1, "batch_size": 8, "max_valid_examples": 8},
@@ -51,6 +52,15 @@ def test_pipeline_runs_every_stage_then_skips(config, capsys):
     sp = summary["speed"]
     assert sp["batch_size"] == 1 and sp["tau"] == 0.9 and sp["batch1_speedup"] > 0 and sp["repeats"] == 1
     assert "side by side at batch 1" in format_summary(summary)
+    # The decode settings given at conversion are recorded in the student and used by every
+    # diffusion row's evaluation and the speed run (the eval section sets none).
+    out = Path(config["out"])
+    assert json.loads((out / "models" / "student" / "config.json").read_text())["decode_settings"] == {
+        "decoder": "diffusion", "commit_rule": "prefix", "hold_eos": True}
+    for name in ("naive_conversion", "pCFT", "pCFTpOPDpRL"):
+        rep = json.loads((out / "eval" / f"{name}.json").read_text())
+        assert (rep["decoder"], rep["commit_rule"], rep["hold_eos"]) == ("diffusion", "prefix", True)
+    assert (sp["commit_rule"], sp["hold_eos"]) == ("prefix", True)
     capsys.readouterr()
     again = run_full_pipeline(config)
     log = capsys.readouterr().out

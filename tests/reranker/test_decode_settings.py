@@ -10,7 +10,7 @@ import pytest
 
 from reranker.decoding import (COMMIT_RULES, DEFAULT_COMMIT_RULE, DEFAULT_TAU, MODEL_CONFIG_KEY, DecodeOptions,
                                DecodeSettingError, add_decode_flags, explicit_from_args, record, recorded_in,
-                               resolve)
+                               resolve, served_rollout_settings)
 
 
 def test_explicit_over_recorded_over_defaults():
@@ -21,6 +21,20 @@ def test_explicit_over_recorded_over_defaults():
     assert (got.decoder, got.commit_rule, got.tau, got.hold_eos) == ("diffusion", "prefix", 0.7, False)
     with pytest.raises(ValueError, match=r"unknown decode setting\(s\) \['taus'\]"):
         resolve({"taus": 0.7})
+
+
+def test_training_rollouts_decode_as_the_student_is_served():
+    """OPD and RL roll out with the student's recorded tau and commit rule unless their config sets them."""
+    class Config:
+        pass
+
+    student = Config()
+    assert served_rollout_settings({"tau": None, "commit_rule": None}, student) == {
+        "tau": DEFAULT_TAU, "commit_rule": DEFAULT_COMMIT_RULE}
+    record(student, {"decoder": "diffusion", "commit_rule": "prefix", "tau": 0.8})
+    assert served_rollout_settings({"tau": None, "commit_rule": None}, student) == {"tau": 0.8, "commit_rule": "prefix"}
+    assert served_rollout_settings({"tau": 0.95, "commit_rule": "confidence"}, student) == {
+        "tau": 0.95, "commit_rule": "confidence"}
 
 
 @pytest.mark.parametrize("field,value,message", [
