@@ -163,6 +163,7 @@ def test_run_speed_benchmark_writes_result_with_accuracy(parts, tmp_path, monkey
 
     md = build_benchmarks(out.parent, tmp_path / "BENCHMARKS.md", tmp_path / "plots").read_text()
     assert saved["command"] in md and "abc1234" in md
+    assert "| 1 | hf_generate |" in md and "| 2 | ar_lookup |" in md and "NOT AR's tokens" not in md
     assert (tmp_path / "plots" / "tau-frontier-tiny.png").stat().st_size > 0
     assert (tmp_path / "plots" / "speedup-length-tiny.png").stat().st_size > 0
 
