@@ -125,7 +125,7 @@ def add_e2e(sub) -> None:
     ee = sub.add_parser("e2e", help="RecBole Trainer.evaluate: SASRec alone vs SASRec + each re-ranker")
     ee.add_argument("--config", required=True)
     ee.add_argument("--reranker", action="append", default=[],
-                    help="NAME=MODEL_DIR:DECODER (DECODER ar | diffusion); repeat for more rows")
+                    help="NAME=MODEL_DIR:DECODER (DECODER ar | ar_lookup | diffusion); repeat for more rows")
     ee.add_argument("--users", type=int, default=None, help="a seeded random sample of N test users (default: all)")
     ee.add_argument("--seed", type=int, default=0, help="seed of the user sample")
     ee.add_argument("--batch-size", type=int, default=32, help="re-ranker decode batch size")

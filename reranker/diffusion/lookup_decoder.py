@@ -117,10 +117,9 @@ def ar_lookup_decode(model, prompts, max_new_tokens, eos_token_id, pad_token_id=
         # column (they come after it) and are never accepted, so they change nothing.
         cols = torch.arange(width, device=dev)
         new_valid = cols[None] <= n_draft[:, None]
-        C = valid.shape[1]
-        kv_blk = torch.arange(C + width, device=dev)
-        kv_valid = torch.cat([valid, new_valid], 1)
-        mask = block_causal_mask(kv_blk[-width:], grp[:1].expand(width), kv_blk, torch.zeros_like(kv_blk), kv_valid)
+        kv_blk = torch.arange(valid.shape[1] + width, device=dev)  # one-token blocks: causal over the new columns
+        kv_grp = torch.zeros_like(kv_blk)
+        mask = block_causal_mask(kv_blk[-width:], kv_grp[-width:], kv_blk, kv_grp, torch.cat([valid, new_valid], 1))
         logits = forward(model, new, pos[:, None] + cols[None], mask, cache)
         n_forward += 1
         greedy, lp, _ = pick_tokens(logits)
