@@ -481,7 +481,7 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
                   eos_token_id=None, pad_token_id=None, mask_token_id=None, max_steps_per_block=None,
                   lengths=DEFAULT_LENGTHS, length_taus=DEFAULT_LENGTH_TAUS, length_batch_sizes=None, forward_blocks=DEFAULT_FORWARD_BLOCKS,
                   forward_iters=20, context=None, accuracy=None, accuracy_batch_size=8, progress=None,
-                  commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False, exact_decoders=EXACT_DECODERS) -> dict:
+                  commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False, exact_decoders=()) -> dict:
     """Side-by-side decode speed of AR (`ar_model`) and block diffusion (`diff_model`) on `prompts`
     (token-id lists). See the module docstring for what each number means.
 
@@ -490,8 +490,10 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
     after); reported either way. lengths=() skips the output-length curve, forward_blocks=() the
     forward-cost microbenchmark. accuracy: optional (engine_ar, engine_diff, examples) adding
     Recall@1 and valid rate per point. progress: optional callable(str) for one line per run.
-    exact_decoders: the decoders (EXACT_DECODERS) timed on ar_model beside AR, each with its
-    speed-up over AR and whether it wrote AR's tokens (matches_ar); () for none.
+    exact_decoders: the decoders (of EXACT_DECODERS) timed on ar_model beside AR, each with its
+    speed-up over AR and whether it wrote AR's tokens (matches_ar). None by default, so callers that
+    only want the diffusion ratio (the pipeline's batch-1 figure) do not pay for them; `dgr2 speed`
+    (run_speed_benchmark) times them all unless told otherwise.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
@@ -628,14 +630,15 @@ def run_speed_benchmark(ar_dir, diff_dir, data_dir, out_json=None, n_prompts=8, 
     """Load both engines (`RerankEngine.load`) and the split's examples, measure, and write
     docs/results/diffusion-speed-<name>.json (adds command / commit / date). `kw` go to
     measure_speed (batch_sizes, taus, block_size, max_new_tokens, repeats, warmup, threads, lengths,
-    length_taus, length_batch_sizes, forward_blocks, context, progress, ...). Accuracy runs on the
-    whole split unless accuracy_limit is given.
+    length_taus, length_batch_sizes, forward_blocks, context, progress, exact_decoders (default: all
+    of EXACT_DECODERS), ...). Accuracy runs on the whole split unless accuracy_limit is given.
 
         dgr2 speed --ar DIR --diffusion DIR --data DIR --out docs/results/diffusion-speed-<name>.json
     """
     from reranker.engine import RerankEngine
     from .evaluate import load_examples
 
+    kw.setdefault("exact_decoders", EXACT_DECODERS)
     threads = kw.get("threads")
     if threads:  # before loading: some kernels size their pools at first use
         torch.set_num_threads(int(threads))

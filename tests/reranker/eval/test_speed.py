@@ -246,7 +246,8 @@ def test_exact_decoders_write_ars_tokens_side_by_side(parts):
     (with EOS and without it, where every row runs to the budget), tokens per forward."""
     prompts = [p + p + p for p in parts["prompts"][:2]]  # repeated spans: something for lookup to draft
     rep = measure_speed(parts["model"], parts["dmodel"], prompts, batch_sizes=(2,), taus=(0.9,), max_new_tokens=10,
-                        repeats=1, warmup=0, threads=1, lengths=(12,), length_taus=(0.9,), forward_blocks=())
+                        repeats=1, warmup=0, threads=1, lengths=(12,), length_taus=(0.9,), forward_blocks=(),
+                        exact_decoders=("hf_generate", "ar_lookup"))
     json.dumps(rep)
     for row in rep["batches"] + rep["length_curve"]:
         ar = row["ar"]
@@ -265,7 +266,7 @@ def test_exact_decoders_write_ars_tokens_side_by_side(parts):
     text = format_speed(rep)
     assert "hf_generate" in text and "ar_lookup" in text and "NOT AR's tokens" not in text
     none = measure_speed(parts["model"], parts["dmodel"], prompts, batch_sizes=(1,), taus=(0.9,), max_new_tokens=4,
-                         repeats=1, warmup=0, lengths=(), forward_blocks=(), exact_decoders=())
+                         repeats=1, warmup=0, lengths=(), forward_blocks=())  # by default: none
     assert none["batches"][0]["exact_decoders"] == [] and none["settings"]["exact_decoders"] == []
     with pytest.raises(ValueError, match="exact_decoders"):
         measure_speed(parts["model"], parts["dmodel"], prompts, exact_decoders=("beam",))
