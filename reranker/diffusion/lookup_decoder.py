@@ -149,7 +149,7 @@ def ar_lookup_decode(model, prompts, max_new_tokens, eos_token_id, pad_token_id=
         # kept is cropped. Re-running the rows that kept less would cost a forward per step; holes
         # cost a few extra masked keys.
         kept_cols = cols[None] <= n_keep[:, None]
-        width_kept = int(n_keep.max()) + 1
+        width_kept = max(n_keep_l) + 1
         crop(cache, width - width_kept)
         valid = torch.cat([valid, kept_cols[:, :width_kept]], 1)
         pos = pos + n_keep + 1
