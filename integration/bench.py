@@ -285,7 +285,9 @@ def speed_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
     "mean_generated_tokens", "recall@1", "valid_rate"}, "points": [{"tau", "tokens_per_second": stats,
     "forward_passes_per_token", "tokens_per_step", "mean_generated_tokens", "speedup" (ratio of medians),
     "speedup_paired": stats (per-repeat ratios), "decode_speedup_paired": stats (the same without the
-    prompt prefill; files before it lack it), "same_tokens_as_ar", "recall@1", "valid_rate"}]}],
+    prompt prefill; files before it lack it), "same_tokens_as_ar", "recall@1", "valid_rate"}],
+    "exact_decoders" (files before it lack it): [{"decoder" (hf_generate | ar_lookup), the fields of a
+    point but "tau" and "tokens_per_step", "tokens_per_forward", "matches_ar"}]}],
     "length_curve": [{"length", "batch_size", "ar": {...}, "points": [...]}],
     "forward_cost": {"context", "rows": [{"batch_size", "one_token_ms": stats, "blocks": [{"block_size",
     "ms": stats, "ratio"}]}]} | null,
@@ -303,6 +305,13 @@ def speed_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
         out.append(f"| {b} | AR | {_stat(ar.get('tokens_per_second'))} | {_fmt(ar.get('forward_passes_per_token'), 3)} "
                    f"| 1 | {_fmt(ar.get('mean_generated_tokens'), 1)} | 1 | 1 | 1 | {_fmt(ar.get('recall@1'))} | – | "
                    f"{_fmt(ar.get('valid_rate'))} |")
+        for p in row.get("exact_decoders") or []:  # tokens / step: tokens per forward pass of a row
+            same = "AR's tokens" if p.get("matches_ar") else f"NOT AR's tokens ({_fmt(p.get('same_tokens_as_ar'), 2)})"
+            out.append(f"| {b} | {p.get('decoder')} | {_stat(p.get('tokens_per_second'))} | "
+                       f"{_fmt(p.get('forward_passes_per_token'), 3)} | {_fmt(p.get('tokens_per_forward'), 2)} | "
+                       f"{_fmt(p.get('mean_generated_tokens'), 1)} | {_fmt(p.get('speedup'), 2)} | "
+                       f"{_stat(p.get('speedup_paired'), 2)} | {_stat(p.get('decode_speedup_paired'), 2)} | "
+                       f"{_fmt(p.get('recall@1'))} | {same} | {_fmt(p.get('valid_rate'))} |")
         for p in row.get("points") or []:
             vs = ((acc.get(p.get("tau")) or {}).get("vs_ar") or {}).get("recall@1")
             out.append(f"| {b} | diffusion τ={_fmt(p.get('tau'), 2)} | {_stat(p.get('tokens_per_second'))} | "

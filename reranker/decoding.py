@@ -24,7 +24,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-DECODERS = ("ar", "diffusion")
+# ar: plain greedy / sampled AR; ar_lookup: greedy AR with exact prompt-lookup drafts (the same tokens
+# as ar, fewer forwards: reranker.diffusion.lookup_decoder); diffusion: block diffusion (a converted model)
+DECODERS = ("ar", "ar_lookup", "diffusion")
 COMMIT_RULES = ("confidence", "prefix")  # see reranker.diffusion.forward.commit_confident
 DEFAULT_DECODER = "ar"
 DEFAULT_TAU = 0.9
@@ -77,6 +79,9 @@ class DecodeOptions:
             bad("block_size", f"must be in [1, {MAX_BLOCK_SIZE}] or unset, got {self.block_size!r}")
         if not _is_number(self.temperature) or self.temperature < 0:
             bad("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
+        if self.decoder == "ar_lookup" and self.temperature != 0:
+            # its drafts are kept only where they equal the arg-max: exact for greedy decoding only
+            bad("temperature", f"must be 0 with decoder 'ar_lookup' (greedy only), got {self.temperature!r}")
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             bad("max_new_tokens", f"must be an integer >= 1, got {self.max_new_tokens!r}")
         if self.max_steps_per_block is not None and (not _is_int(self.max_steps_per_block)

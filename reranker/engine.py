@@ -1,4 +1,4 @@
-"""The re-ranking engine: request -> prompt -> (AR | block-diffusion) decode -> validated permutation.
+"""The re-ranking engine: request -> prompt -> (AR | AR + lookup | block-diffusion) decode -> validated permutation.
 
 One object shared by evaluation (`dgr2 eval`), the gRPC service and the RecBole model class, so all
 three render the same prompt, decode with the same code and apply the same fallback: an answer that
@@ -25,6 +25,7 @@ from reranker.decoding import DECODERS, DecodeOptions, recorded_settings, resolv
 from reranker.diffusion.ar_decoder import ar_decode
 from reranker.diffusion.convert import load_diffusion_config
 from reranker.diffusion.diffusion_decoder import diffusion_decode
+from reranker.diffusion.lookup_decoder import ar_lookup_decode
 from reranker.text.answer import parse_ranking, permutation_or_fallback
 from reranker.text.prompt import render_prompt_messages, render_prompt_within_budget
 from reranker.text.sid import SemanticIds
@@ -166,6 +167,9 @@ class RerankEngine:
         if options.decoder == "ar":
             res = ar_decode(self.model, prompts, options.max_new_tokens, self.eos_id, self.pad_id,
                             temperature=options.temperature, generator=gen)
+            return res.tokens, res.n_forward, res
+        if options.decoder == "ar_lookup":  # greedy only (DecodeOptions.validate): no generator
+            res = ar_lookup_decode(self.model, prompts, options.max_new_tokens, self.eos_id, self.pad_id)
             return res.tokens, res.n_forward, res
         if self.diffusion is None:
             raise ValueError("decoder 'diffusion' needs a converted model (dgr2 convert); this one is AR only")

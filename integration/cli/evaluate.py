@@ -34,7 +34,8 @@ def cmd_speed(args) -> int:
         batch_sizes=ints(args.batch_sizes), taus=floats(args.taus), block_size=args.block_size,
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup, threads=args.threads,
         lengths=ints(args.lengths), length_taus=floats(args.length_taus), forward_blocks=ints(args.forward_blocks),
-        progress=logging.getLogger("dgr2.speed").info, commit_rule=args.commit_rule, hold_eos=args.hold_eos)
+        progress=logging.getLogger("dgr2.speed").info, commit_rule=args.commit_rule, hold_eos=args.hold_eos,
+        exact_decoders=[d for d in args.exact_decoders.split(",") if d])
     print(format_speed(rep))
     if args.out:
         print(f"results written to {args.out}")
@@ -87,7 +88,8 @@ def add_eval(sub) -> None:
 
 
 def add_speed(sub) -> None:
-    s = sub.add_parser("speed", help="decode speed: block diffusion vs AR side by side (+ accuracy per tau)")
+    s = sub.add_parser("speed", help="decode speed: block diffusion vs AR, HF generate and AR + prompt lookup, "
+                                     "side by side (+ accuracy per point)")
     s.add_argument("--ar", required=True, help="AR model directory")
     s.add_argument("--diffusion", required=True, help="converted (diffusion) model directory")
     s.add_argument("--data", required=True, help="re-ranking data directory (prompts and accuracy examples)")
@@ -96,6 +98,9 @@ def add_speed(sub) -> None:
     s.add_argument("--n-prompts", type=int, default=8, help="prompts timed per run (first N of the split)")
     s.add_argument("--batch-sizes", default="1,8")
     s.add_argument("--taus", default="1.0,0.9,0.8,0.6,0.4")
+    s.add_argument("--exact-decoders", default="hf_generate,ar_lookup",
+                   help="AR-exact decoders timed beside AR on the AR model: Hugging Face generate, prompt-lookup "
+                        "drafting ('' for none)")
     add_decode_flags(s, ("block_size", "max_new_tokens", "commit_rule", "hold_eos"))
     s.add_argument("--repeats", type=int, default=5)
     s.add_argument("--warmup", type=int, default=1)
@@ -120,7 +125,7 @@ def add_e2e(sub) -> None:
     ee = sub.add_parser("e2e", help="RecBole Trainer.evaluate: SASRec alone vs SASRec + each re-ranker")
     ee.add_argument("--config", required=True)
     ee.add_argument("--reranker", action="append", default=[],
-                    help="NAME=MODEL_DIR:DECODER (DECODER ar | diffusion); repeat for more rows")
+                    help="NAME=MODEL_DIR:DECODER (DECODER ar | ar_lookup | diffusion); repeat for more rows")
     ee.add_argument("--users", type=int, default=None, help="a seeded random sample of N test users (default: all)")
     ee.add_argument("--seed", type=int, default=0, help="seed of the user sample")
     ee.add_argument("--batch-size", type=int, default=32, help="re-ranker decode batch size")

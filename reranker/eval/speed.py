@@ -1,4 +1,4 @@
-"""Decode-speed harness: block diffusion vs AR, measured side by side in ONE process.
+"""Decode-speed harness: block diffusion vs AR (and exact AR accelerations), side by side in ONE process.
 
 What it measures (``measure_speed``), all greedy (temperature 0), same threads, same prompts:
 
@@ -14,13 +14,22 @@ What it measures (``measure_speed``), all greedy (temperature 0), same threads, 
   is the same forward for both decoders, so it dilutes the end-to-end ratio towards 1 by the share
   of time it takes; the decode-phase ratio is the one the decoders themselves differ in, the
   end-to-end one is what a caller waits for. Both are reported.
-  Each *repeat* runs AR and every tau once, back to back (order reversed on odd repeats), so the
-  runs of one repeat see the same machine noise. ``warmup`` repeats run first and are discarded.
+  Each *repeat* runs AR, every exact decoder and every tau once, back to back (order reversed on
+  odd repeats), so the runs of one repeat see the same machine noise. ``warmup`` repeats run first and are discarded.
   Reported per quantity: median, min, max, quartiles, and the raw values. Two speed-ups:
   ``speedup`` = median diffusion tok/s / median AR tok/s (ratio of medians) and
   ``speedup_paired`` = statistics of the per-repeat ratios (the one that cancels slow drifts).
+* **Exact decoders** (``exact_decoders``, each row under ``exact_decoders`` with ``decoder``):
+  ``hf_generate``, Hugging Face ``generate`` (greedy, its KV cache, the same left-padded batches
+  with an attention mask, the same EOS and budget): the baseline a user already has, so the AR
+  decoder the ratios are taken against is shown to be no slower; and ``ar_lookup``, greedy AR with
+  exact prompt-lookup drafts (reranker.diffusion.lookup_decoder). Both run on the AR model; each
+  has the same fields as a diffusion point (``speedup``, ``speedup_paired``, ``tokens_per_forward``)
+  and ``matches_ar``: whether it wrote the AR decoder's greedy tokens on every measured prompt,
+  which both must. ``generate`` does not time its prefill apart: its decode-phase figures are None.
+  Every point carries ``decoder``: ``ar``, ``hf_generate``, ``ar_lookup`` or ``diffusion``.
 * **Output-length curve**: the same, with EOS disabled (``eos_token_id=-1``, which no decoder can
-  emit; both decoders accept it and the harness checks every row got exactly L tokens) and
+  emit; every decoder accepts it and the harness checks every row got exactly L tokens) and
   ``max_new_tokens = L``. Tokens past the model's natural end are out of distribution for its
   confidence (the model would have stopped), so this curve measures the decoding MECHANICS
   (cost per step vs tokens per step as the cache grows), not the speed at the model's real length.
@@ -49,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import json
 import math
@@ -65,7 +75,8 @@ from reranker.diffusion.ar_decoder import ar_decode
 from reranker.diffusion.convert import load_diffusion_config
 from reranker.diffusion.diffusion_decoder import diffusion_decode, prefill
 from reranker.diffusion.forward import crop, forward
-from reranker.diffusion.masks import block_causal_mask
+from reranker.diffusion.lookup_decoder import ar_lookup_decode
+from reranker.diffusion.masks import block_causal_mask, left_pad
 from reranker.training.precision import autocast
 
 DEFAULT_TAUS = (1.0, 0.9, 0.8, 0.6, 0.4)
@@ -74,6 +85,9 @@ DEFAULT_LENGTHS = (64, 128, 256)
 DEFAULT_LENGTH_TAUS = (0.9, 1.0)
 DEFAULT_FORWARD_BLOCKS = (8, 16, 32)
 NO_EOS = -1  # a token id no decoder can produce: decoding runs to max_new_tokens
+# Decoders whose output must equal the AR decoder's greedy tokens, timed beside it: what a user who
+# wants a faster exact AR re-ranker already has (Hugging Face generate) and prompt-lookup drafting.
+EXACT_DECODERS = ("hf_generate", "ar_lookup")
 
 
 # --------------------------------------------------------------------------------------------- stats
@@ -125,11 +139,40 @@ def _first_id(x):
 
 # --------------------------------------------------------------------------------------------- runs
 
+@dataclasses.dataclass
+class GenerateResult:
+    tokens: list       # per row: generated ids, up to and including EOS
+    n_forward: int     # generate's forward passes: one per position of its longest row
+    prefill_seconds: float | None = None  # generate does not time its prefill apart
+
+
+@torch.no_grad()
+def hf_generate(model, prompts, max_new_tokens, eos_token_id, pad_token_id):
+    """Greedy Hugging Face `generate` with its KV cache on the same left-padded batch (attention mask
+    over the pads) as ar_decode, so its tokens must equal ar_decode's. The generation config is
+    built from the model's own config, never fetched; eos_token_id NO_EOS disables EOS."""
+    from transformers import GenerationConfig
+
+    ids, plen = left_pad(prompts, pad_token_id)
+    P = ids.shape[1]
+    attention = (torch.arange(P)[None] >= (P - plen)[:, None]).long()
+    config = GenerationConfig.from_model_config(model.config)
+    # an empty EOS list stops nothing (None would fall back to the model's own EOS)
+    config.update(do_sample=False, num_beams=1, use_cache=True, max_new_tokens=int(max_new_tokens),
+                  eos_token_id=[] if eos_token_id == NO_EOS else int(eos_token_id), pad_token_id=int(pad_token_id))
+    out = model.generate(input_ids=ids.to(model.device), attention_mask=attention.to(model.device),
+                         generation_config=config)[:, P:].tolist()
+    # a finished row is filled with pads to the batch's length: keep it through its first EOS
+    tokens = [row[:row.index(eos_token_id) + 1] if eos_token_id in row else row for row in out]
+    return GenerateResult(tokens, max(len(row) for row in out))
+
+
 def _run(kind, model, prompts, batch_size, max_new_tokens, eos, pad, tau=None, block_size=None,
          mask_token_id=None, max_steps_per_block=None, commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False):
-    """Decode every prompt once in chunks of batch_size; returns timing and counts (and tokens)."""
+    """Decode every prompt once in chunks of batch_size; returns timing and counts (and tokens).
+    kind: "ar", "hf_generate", "ar_lookup" or "diffusion"."""
     seconds, n_forward, rows_per_tok, tokens, row_steps = 0.0, 0, 0.0, [], 0
-    prefill_seconds = 0.0
+    prefill_seconds, drafted, accepted = 0.0, 0, 0
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i:i + batch_size]
         was_enabled = gc.isenabled()
@@ -138,6 +181,10 @@ def _run(kind, model, prompts, batch_size, max_new_tokens, eos, pad, tau=None, b
             t0 = time.perf_counter()
             if kind == "ar":
                 res = ar_decode(model, chunk, max_new_tokens, eos, pad, temperature=0.0)
+            elif kind == "hf_generate":
+                res = hf_generate(model, chunk, max_new_tokens, eos, pad)
+            elif kind == "ar_lookup":
+                res = ar_lookup_decode(model, chunk, max_new_tokens, eos, pad)
             else:
                 res = diffusion_decode(model, chunk, max_new_tokens, block_size, mask_token_id, eos, pad, tau=tau,
                                        temperature=0.0, max_steps_per_block=max_steps_per_block,
@@ -147,34 +194,45 @@ def _run(kind, model, prompts, batch_size, max_new_tokens, eos, pad, tau=None, b
             if was_enabled:
                 gc.enable()
         gc.collect(0)
-        prefill_seconds += res.prefill_seconds
+        if res.prefill_seconds is None:
+            prefill_seconds = None
+        elif prefill_seconds is not None:
+            prefill_seconds += res.prefill_seconds
         n_forward += res.n_forward
+        if kind == "ar_lookup":
+            drafted, accepted = drafted + res.drafted, accepted + res.accepted
         n_tok = sum(len(t) for t in res.tokens)
         rows_per_tok += n_tok / len(chunk)  # mean row length of this chunk
         tokens += [list(map(int, t)) for t in res.tokens]
-        if kind != "ar":
+        if kind == "diffusion":
             row_steps += sum(sum(s) for s in res.steps_per_block)
     gen = sum(len(t) for t in tokens)
-    decode_tokens = sum(max(len(t) - (kind == "ar"), 0) for t in tokens)  # AR's prefill yields each row's first
-    return {"seconds": seconds, "generated_tokens": gen, "forward_passes": n_forward,
-            "tokens_per_second": gen / max(seconds, 1e-12),
-            "prefill_seconds": prefill_seconds,
-            "decode_tokens_per_second": decode_tokens / max(seconds - prefill_seconds, 1e-12),
-            "forward_passes_per_token": n_forward / max(rows_per_tok, 1e-12),
-            "forward_passes_per_token_batched": n_forward / max(gen, 1),
-            "tokens_per_step": gen / row_steps if row_steps else None, "tokens": tokens}
+    # the AR decoders' prefill yields each row's first token; the diffusion prefill yields none
+    decode_tokens = sum(max(len(t) - (kind != "diffusion"), 0) for t in tokens)
+    out = {"seconds": seconds, "generated_tokens": gen, "forward_passes": n_forward,
+           "tokens_per_second": gen / max(seconds, 1e-12),
+           "prefill_seconds": prefill_seconds,
+           "decode_tokens_per_second": (None if prefill_seconds is None
+                                        else decode_tokens / max(seconds - prefill_seconds, 1e-12)),
+           "forward_passes_per_token": n_forward / max(rows_per_tok, 1e-12),
+           "forward_passes_per_token_batched": n_forward / max(gen, 1),
+           "tokens_per_step": gen / row_steps if row_steps else None, "tokens": tokens}
+    if kind == "ar_lookup":
+        out.update(drafted_tokens=drafted, accepted_tokens=accepted)
+    return out
 
 
 def _interleaved(ar_model, diff_model, prompts, batch_size, taus, max_new_tokens, repeats, warmup, eos, pad,
                  block_size, mask_token_id, max_steps_per_block, exact_length=None, progress=None,
-                 commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False):
-    """AR and every tau, once per repeat, back to back; returns (ar summary, [tau summaries])."""
-    configs = [("ar", None)] + [("diffusion", t) for t in taus]
+                 commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False, exact_decoders=EXACT_DECODERS):
+    """AR, every exact decoder (on the AR model) and every tau, once per repeat, back to back;
+    returns (ar summary, [exact decoder summaries], [tau summaries])."""
+    configs = [("ar", None)] + [(d, None) for d in exact_decoders] + [("diffusion", t) for t in taus]
     runs = {c: [] for c in configs}
     for r in range(warmup + repeats):
         order = configs if r % 2 == 0 else configs[::-1]
         for kind, tau in order:
-            m = ar_model if kind == "ar" else diff_model
+            m = diff_model if kind == "diffusion" else ar_model
             res = _run(kind, m, prompts, batch_size, max_new_tokens, eos, pad, tau, block_size, mask_token_id,
                        max_steps_per_block, commit_rule, hold_eos)
             if exact_length is not None and any(len(t) != exact_length for t in res["tokens"]):
@@ -189,36 +247,56 @@ def _interleaved(ar_model, diff_model, prompts, batch_size, taus, max_new_tokens
 
     def summary(rs, kind):
         first = rs[0]
-        out = {"tokens_per_second": stats(x["tokens_per_second"] for x in rs),
+        decode_tps = [x["decode_tokens_per_second"] for x in rs if x["decode_tokens_per_second"] is not None]
+        prefill = [x["prefill_seconds"] for x in rs if x["prefill_seconds"] is not None]
+        out = {"decoder": kind,
+               "tokens_per_second": stats(x["tokens_per_second"] for x in rs),
                "seconds": stats(x["seconds"] for x in rs),
-               "decode_tokens_per_second": stats(x["decode_tokens_per_second"] for x in rs),
-               "prefill_seconds": stats(x["prefill_seconds"] for x in rs),
+               "decode_tokens_per_second": stats(decode_tps),
+               "prefill_seconds": stats(prefill),
                "generated_tokens": first["generated_tokens"],
                "mean_generated_tokens": first["generated_tokens"] / len(prompts),
                "forward_passes": first["forward_passes"],
                "forward_passes_per_token": first["forward_passes_per_token"],
                "forward_passes_per_token_batched": first["forward_passes_per_token_batched"],
+               "tokens_per_forward": 1.0 / first["forward_passes_per_token"],
                # greedy decoding is deterministic: every repeat should emit the same tokens
                "deterministic": all(x["tokens"] == first["tokens"] for x in rs)}
-        if kind != "ar":
+        if kind == "diffusion":
             out["tokens_per_step"] = first["tokens_per_step"]
+        if kind == "ar_lookup":
+            out.update(drafted_tokens=first["drafted_tokens"], accepted_tokens=first["accepted_tokens"],
+                       draft_acceptance=first["accepted_tokens"] / max(first["drafted_tokens"], 1))
         return out
 
     ar_runs = runs[("ar", None)]
     ar = summary(ar_runs, "ar")
     ar_tokens = ar_runs[0]["tokens"]
+
+    def against_ar(p, rs):
+        p["speedup"] = p["tokens_per_second"]["median"] / ar["tokens_per_second"]["median"]
+        p["speedup_paired"] = stats(d["tokens_per_second"] / a["tokens_per_second"] for d, a in zip(rs, ar_runs))
+        if p["decode_tokens_per_second"]["median"] is None:  # hf_generate: no prefill timing
+            p["decode_speedup"], p["decode_speedup_paired"] = None, stats([])
+        else:
+            p["decode_speedup"] = p["decode_tokens_per_second"]["median"] / ar["decode_tokens_per_second"]["median"]
+            p["decode_speedup_paired"] = stats(d["decode_tokens_per_second"] / a["decode_tokens_per_second"]
+                                               for d, a in zip(rs, ar_runs))
+        p["same_tokens_as_ar"] = float(np.mean([d == a for d, a in zip(rs[0]["tokens"], ar_tokens)]))
+        return p
+
+    exact = []
+    for name in exact_decoders:
+        rs = runs[(name, None)]
+        p = against_ar(summary(rs, name), rs)
+        # an exact decoder must write the AR decoder's greedy tokens on every measured prompt
+        p["matches_ar"] = p["same_tokens_as_ar"] == 1.0
+        exact.append(p)
     points = []
     for tau in taus:
         rs = runs[("diffusion", tau)]
-        p = {"tau": tau, **summary(rs, "diffusion")}
-        p["speedup"] = p["tokens_per_second"]["median"] / ar["tokens_per_second"]["median"]
-        p["speedup_paired"] = stats(d["tokens_per_second"] / a["tokens_per_second"] for d, a in zip(rs, ar_runs))
-        p["decode_speedup"] = p["decode_tokens_per_second"]["median"] / ar["decode_tokens_per_second"]["median"]
-        p["decode_speedup_paired"] = stats(d["decode_tokens_per_second"] / a["decode_tokens_per_second"]
-                                           for d, a in zip(rs, ar_runs))
-        p["same_tokens_as_ar"] = float(np.mean([d == a for d, a in zip(rs[0]["tokens"], ar_tokens)]))
-        points.append(p)
-    return ar, points
+        points.append(against_ar({"tau": tau, **summary(rs, "diffusion")}, rs))
+    return ar, exact, points
 
 
 # ------------------------------------------------------------------------------------ forward cost
@@ -361,9 +439,12 @@ def speedup_ceiling(fc: dict, length: int, steps_per_block=(1, 2)) -> dict:
 # ------------------------------------------------------------------------------------------ accuracy
 
 def accuracy_points(engine_ar, engine_diff, examples, taus, block_size=None, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
-                    batch_size=8, progress=False, commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False) -> dict:
+                    batch_size=8, progress=False, commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False,
+                    lookup=False) -> dict:
     """Recall@1/@3, NDCG@3, valid rate of AR and of diffusion at each tau (reranker.eval.evaluate on
-    `examples`), with the paired bootstrap CI of each diffusion point against AR."""
+    `examples`), with the paired bootstrap CI of each diffusion point against AR. lookup: also the
+    AR model with decoder ar_lookup ("ar_lookup"), with the share of examples whose target it ranks
+    where AR does (1.0 for an exact decoder)."""
     from reranker.engine import DecodeOptions
     from .evaluate import evaluate
     from .metrics import compare
@@ -379,6 +460,10 @@ def accuracy_points(engine_ar, engine_diff, examples, taus, block_size=None, max
     ar_ranks = np.asarray(ar_rep["ranks"])
     out = {"n": len(examples), "batch_size": batch_size, "max_new_tokens": max_new_tokens,
            "ar": {**pick(ar_rep), "vs_retriever": ar_rep["vs_retriever"]}, "diffusion": []}
+    if lookup:
+        rep = evaluate(engine_ar, examples, DecodeOptions(decoder="ar_lookup", max_new_tokens=max_new_tokens),
+                       batch_size, progress=progress)
+        out["ar_lookup"] = {**pick(rep), "same_target_rank_as_ar": float(np.mean(np.asarray(rep["ranks"]) == ar_ranks))}
     for tau in taus:
         opts = DecodeOptions(decoder="diffusion", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
                              commit_rule=commit_rule, hold_eos=hold_eos)
@@ -396,7 +481,7 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
                   eos_token_id=None, pad_token_id=None, mask_token_id=None, max_steps_per_block=None,
                   lengths=DEFAULT_LENGTHS, length_taus=DEFAULT_LENGTH_TAUS, length_batch_sizes=None, forward_blocks=DEFAULT_FORWARD_BLOCKS,
                   forward_iters=20, context=None, accuracy=None, accuracy_batch_size=8, progress=None,
-                  commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False) -> dict:
+                  commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False, exact_decoders=()) -> dict:
     """Side-by-side decode speed of AR (`ar_model`) and block diffusion (`diff_model`) on `prompts`
     (token-id lists). See the module docstring for what each number means.
 
@@ -405,11 +490,19 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
     after); reported either way. lengths=() skips the output-length curve, forward_blocks=() the
     forward-cost microbenchmark. accuracy: optional (engine_ar, engine_diff, examples) adding
     Recall@1 and valid rate per point. progress: optional callable(str) for one line per run.
+    exact_decoders: the decoders (of EXACT_DECODERS) timed on ar_model beside AR, each with its
+    speed-up over AR and whether it wrote AR's tokens (matches_ar). None by default, so callers that
+    only want the diffusion ratio (the pipeline's batch-1 figure) do not pay for them; `dgr2 speed`
+    (run_speed_benchmark) times them all unless told otherwise.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
     if not prompts or min(len(p) for p in prompts) < 1:
         raise ValueError("need at least one non-empty prompt")
+    exact_decoders = tuple(exact_decoders)
+    unknown = [d for d in exact_decoders if d not in EXACT_DECODERS]
+    if unknown or len(set(exact_decoders)) < len(exact_decoders):
+        raise ValueError(f"exact_decoders: each of {EXACT_DECODERS} at most once, got {list(exact_decoders)}")
     if ar_model.device != diff_model.device or ar_model.dtype != diff_model.dtype:
         raise ValueError(f"AR and diffusion models must share device and dtype, got {ar_model.device}/"
                          f"{ar_model.dtype} vs {diff_model.device}/{diff_model.dtype}")
@@ -433,7 +526,7 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
     taus = tuple(float(t) for t in taus)
     kw = dict(eos=eos_token_id, pad=pad_token_id, block_size=block_size, mask_token_id=mask_token_id,
               max_steps_per_block=max_steps_per_block, progress=progress, commit_rule=commit_rule,
-              hold_eos=hold_eos)
+              hold_eos=hold_eos, exact_decoders=exact_decoders)
     t_start = time.perf_counter()
     gc.collect()
     gc.freeze()  # long-lived objects (models, modules) leave the collector: cheap young-generation passes
@@ -441,15 +534,17 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
         with measured_machine(threads) as machine:
             batches = []
             for b in batch_sizes:
-                ar, points = _interleaved(ar_model, diff_model, prompts, int(b), taus, max_new_tokens, repeats, warmup,
-                                          **kw)
-                batches.append({"batch_size": int(b), "ar": ar, "points": points})
+                ar, exact, points = _interleaved(ar_model, diff_model, prompts, int(b), taus, max_new_tokens, repeats,
+                                                 warmup, **kw)
+                batches.append({"batch_size": int(b), "ar": ar, "exact_decoders": exact, "points": points})
             length_curve = []
             for L in lengths:
                 for b in (length_batch_sizes or batch_sizes):
-                    ar, points = _interleaved(ar_model, diff_model, prompts, int(b), tuple(float(t) for t in length_taus),
-                                              int(L), repeats, warmup, **{**kw, "eos": NO_EOS}, exact_length=int(L))
-                    length_curve.append({"length": int(L), "batch_size": int(b), "ar": ar, "points": points})
+                    ar, exact, points = _interleaved(ar_model, diff_model, prompts, int(b),
+                                                     tuple(float(t) for t in length_taus), int(L), repeats, warmup,
+                                                     **{**kw, "eos": NO_EOS}, exact_length=int(L))
+                    length_curve.append({"length": int(L), "batch_size": int(b), "ar": ar, "exact_decoders": exact,
+                                         "points": points})
             fwd = None
             if forward_blocks:
                 ctx = int(context or round(float(np.mean([len(p) for p in prompts]))))
@@ -458,10 +553,14 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
             if accuracy is not None:
                 engine_ar, engine_diff, examples = accuracy
                 acc = accuracy_points(engine_ar, engine_diff, examples, taus, block_size, max_new_tokens,
-                                      accuracy_batch_size, commit_rule=commit_rule, hold_eos=hold_eos)
+                                      accuracy_batch_size, commit_rule=commit_rule, hold_eos=hold_eos,
+                                      lookup="ar_lookup" in exact_decoders)
                 by_tau = {p["tau"]: p for p in acc["diffusion"]}
                 for row in batches:
                     row["ar"].update({"recall@1": acc["ar"]["recall@1"], "valid_rate": acc["ar"]["valid_rate"]})
+                    for p in row["exact_decoders"]:
+                        if acc.get(p["decoder"]):  # hf_generate has no engine path: its tokens are checked instead
+                            p.update({k: acc[p["decoder"]][k] for k in ("recall@1", "valid_rate")})
                     for p in row["points"]:
                         p.update({"recall@1": by_tau[p["tau"]]["recall@1"], "valid_rate": by_tau[p["tau"]]["valid_rate"]})
     finally:
@@ -471,7 +570,7 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
         "machine": machine,
         "settings": {"block_size": block_size, "mask_token_id": mask_token_id, "eos_token_id": eos_token_id,
                      "max_new_tokens": max_new_tokens, "max_steps_per_block": max_steps_per_block or block_size,
-                     "commit_rule": commit_rule, "hold_eos": bool(hold_eos),
+                     "commit_rule": commit_rule, "hold_eos": bool(hold_eos), "exact_decoders": list(exact_decoders),
                      "repeats": repeats, "warmup": warmup, "taus": list(taus), "batch_sizes": [int(b) for b in batch_sizes],
                      "lengths": [int(x) for x in lengths], "length_taus": [float(t) for t in length_taus],
                      "n_prompts": len(prompts), "mean_prompt_tokens": float(np.mean([len(p) for p in prompts])),
@@ -531,14 +630,15 @@ def run_speed_benchmark(ar_dir, diff_dir, data_dir, out_json=None, n_prompts=8, 
     """Load both engines (`RerankEngine.load`) and the split's examples, measure, and write
     docs/results/diffusion-speed-<name>.json (adds command / commit / date). `kw` go to
     measure_speed (batch_sizes, taus, block_size, max_new_tokens, repeats, warmup, threads, lengths,
-    length_taus, length_batch_sizes, forward_blocks, context, progress, ...). Accuracy runs on the
-    whole split unless accuracy_limit is given.
+    length_taus, length_batch_sizes, forward_blocks, context, progress, exact_decoders (default: all
+    of EXACT_DECODERS), ...). Accuracy runs on the whole split unless accuracy_limit is given.
 
         dgr2 speed --ar DIR --diffusion DIR --data DIR --out docs/results/diffusion-speed-<name>.json
     """
     from reranker.engine import RerankEngine
     from .evaluate import load_examples
 
+    kw.setdefault("exact_decoders", EXACT_DECODERS)
     threads = kw.get("threads")
     if threads:  # before loading: some kernels size their pools at first use
         torch.set_num_threads(int(threads))
@@ -642,6 +742,13 @@ def format_speed(rep: dict) -> str:
         r1, v = acc(ar)
         lines.append(f"         {'AR':>14s} {_fmt_stat(ar['tokens_per_second']):>22s} "
                      f"{ar['forward_passes_per_token']:8.3f} {'1':>8s} {'1.00':>8s} {'':>20s} {'':>20s} {r1:>7s} {v:>7s}")
+        for p in row.get("exact_decoders") or []:  # tok/step: tokens per forward of an average row
+            r1, v = acc(p)
+            same = "" if p["matches_ar"] else f"  NOT AR's tokens ({p['same_tokens_as_ar']:.2f} of rows)"
+            lines.append(f"         {p['decoder']:>14s} {_fmt_stat(p['tokens_per_second']):>22s} "
+                         f"{p['forward_passes_per_token']:8.3f} {p['tokens_per_forward']:8.2f} {p['speedup']:8.2f} "
+                         f"{_fmt_stat(p['speedup_paired'], 2):>20s} {_fmt_stat(p.get('decode_speedup_paired'), 2):>20s} "
+                         f"{r1:>7s} {v:>7s}{same}")
         for p in row["points"]:
             r1, v = acc(p)
             lines.append(f"         {'diffusion ' + format(p['tau'], '.2f'):>14s} {_fmt_stat(p['tokens_per_second']):>22s} "
@@ -651,8 +758,10 @@ def format_speed(rep: dict) -> str:
     if rep.get("length_curve"):
         lines.append("speed-up vs generated length (EOS disabled; mechanics only):")
         for row in rep["length_curve"]:
-            pts = ", ".join(f"tau {p['tau']:.2f}: {_fmt_stat(p['speedup_paired'], 2)} ({p['tokens_per_step']:.2f} tok/step)"
-                            for p in row["points"])
+            pts = ", ".join([f"{p['decoder']}: {_fmt_stat(p['speedup_paired'], 2)}"
+                             for p in row.get("exact_decoders") or []]
+                            + [f"tau {p['tau']:.2f}: {_fmt_stat(p['speedup_paired'], 2)} ({p['tokens_per_step']:.2f} "
+                               f"tok/step)" for p in row["points"]])
             lines.append(f"  L={row['length']:4d} b={row['batch_size']}: AR {_fmt_stat(row['ar']['tokens_per_second'])} "
                          f"tok/s; {pts}")
     if rep.get("forward_cost"):

@@ -26,7 +26,8 @@ from proto.diffusion_gr2.v1 import reranker_pb2_grpc as pb_grpc
 from ..decoding import add_decode_flags
 
 # setting name -> proto enum (reranker.decoding owns the names; None leaves the field unset)
-DECODERS = {None: pb.DECODER_UNSPECIFIED, "ar": pb.DECODER_AR, "diffusion": pb.DECODER_DIFFUSION}
+DECODERS = {None: pb.DECODER_UNSPECIFIED, "ar": pb.DECODER_AR, "ar_lookup": pb.DECODER_AR_LOOKUP,
+            "diffusion": pb.DECODER_DIFFUSION}
 COMMIT_RULES = {None: pb.COMMIT_RULE_UNSPECIFIED, "confidence": pb.COMMIT_RULE_CONFIDENCE,
                 "prefix": pb.COMMIT_RULE_PREFIX}
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20  # the client lets the server decide what is too large

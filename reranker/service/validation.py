@@ -19,7 +19,7 @@ from ..engine import RerankRequest, RerankResult
 from .options import ServiceLimits
 
 # proto enum -> decode setting name (reranker.decoding owns the names; 0, UNSPECIFIED, is unset)
-DECODER_NAMES = {pb.DECODER_AR: "ar", pb.DECODER_DIFFUSION: "diffusion"}
+DECODER_NAMES = {pb.DECODER_AR: "ar", pb.DECODER_AR_LOOKUP: "ar_lookup", pb.DECODER_DIFFUSION: "diffusion"}
 COMMIT_RULE_NAMES = {pb.COMMIT_RULE_CONFIDENCE: "confidence", pb.COMMIT_RULE_PREFIX: "prefix"}
 
 
@@ -74,8 +74,8 @@ def validate_options(opts: pb.DecodeOptions, limits: ServiceLimits, diffusion_av
     values = {}
     if opts.decoder != pb.DECODER_UNSPECIFIED:
         if opts.decoder not in DECODER_NAMES:  # proto3 enums are open: any int can arrive
-            raise ValidationError("options.decoder", f"unknown value {opts.decoder}; use DECODER_AR or "
-                                                     f"DECODER_DIFFUSION")
+            raise ValidationError("options.decoder", f"unknown value {opts.decoder}; use DECODER_AR, "
+                                                     f"DECODER_AR_LOOKUP or DECODER_DIFFUSION")
         values["decoder"] = DECODER_NAMES[opts.decoder]
     if opts.commit_rule != pb.COMMIT_RULE_UNSPECIFIED:
         if opts.commit_rule not in COMMIT_RULE_NAMES:

@@ -38,7 +38,7 @@ def test_training_rollouts_decode_as_the_student_is_served():
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("decoder", "beam", "decoder: must be one of ('ar', 'diffusion'), got 'beam'"),
+    ("decoder", "beam", "decoder: must be one of ('ar', 'ar_lookup', 'diffusion'), got 'beam'"),
     ("tau", 0.0, "tau: must be in (0, 1], got 0.0"),
     ("tau", float("nan"), "tau: must be in (0, 1], got nan"),
     ("block_size", 257, "block_size: must be in [1, 256] or unset, got 257"),
@@ -137,3 +137,13 @@ def test_client_sends_the_new_fields_only_when_given():
     assert some.commit_rule == pb.COMMIT_RULE_PREFIX and some.HasField("hold_eos") and some.hold_eos is False
     with pytest.raises(ValueError, match="commit_rule must be one of"):
         decode_options(commit_rule="left")
+
+
+def test_ar_lookup_is_greedy_only():
+    """Its drafts are kept where they equal the arg-max: a sampled decode would not be the model's."""
+    assert DecodeOptions(decoder="ar_lookup").validate().temperature == 0.0
+    with pytest.raises(DecodeSettingError, match=r"^temperature: must be 0 with decoder 'ar_lookup'"):
+        DecodeOptions(decoder="ar_lookup", temperature=0.7).validate()
+    with pytest.raises(ValueError, match="ar_lookup"):
+        resolve({"decoder": "ar_lookup"}, {"decoder": "ar", "temperature": 0.5})  # a recorded temperature too
+    assert resolve({"decoder": "ar_lookup", "temperature": 0.0}, {"temperature": 0.5}).decoder == "ar_lookup"

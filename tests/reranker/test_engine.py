@@ -42,7 +42,7 @@ def request(k=0):
     return RerankRequest(history=ITEMS[k:k + 4], candidates=ITEMS[10 + k:20 + k], scores=[1.0] * 10, user="u1")
 
 
-@pytest.mark.parametrize("decoder", ["ar", "diffusion"])
+@pytest.mark.parametrize("decoder", ["ar", "ar_lookup", "diffusion"])
 def test_random_model_falls_back_to_retriever_order(parts, decoder):
     model, tok = (parts["model"], parts["tok"]) if decoder == "ar" else (parts["dmodel"], parts["dtok"])
     eng = RerankEngine(model, tok, parts["sids"], parts["meta"], parts["cp"], max_prompt_tokens=4096)
@@ -53,6 +53,24 @@ def test_random_model_falls_back_to_retriever_order(parts, decoder):
         if r.fallback:
             assert r.permutation == list(range(10)) and r.failure
         assert 0 < r.generated_tokens <= 12 and r.forward_passes >= 1
+
+
+def test_ar_lookup_decoder_writes_the_ar_decoders_answer(parts):
+    """`--decoder ar_lookup` reaches the engine and evaluation, and answers exactly as greedy AR does."""
+    from integration.cli import build_parser
+
+    args = build_parser().parse_args(["eval", "--model", "m", "--data", "d", "--decoder", "ar_lookup"])
+    assert args.decoder == "ar_lookup"
+    eng = RerankEngine(parts["model"], parts["tok"], parts["sids"], parts["meta"], parts["cp"], max_prompt_tokens=4096)
+    reqs = [request(0), request(1), request(2)]
+    ar = eng.rerank(reqs, DecodeOptions(decoder="ar", max_new_tokens=24))
+    lookup = eng.rerank(reqs, DecodeOptions(decoder="ar_lookup", max_new_tokens=24))
+    assert [r.text for r in lookup] == [r.text for r in ar]
+    assert [r.permutation for r in lookup] == [r.permutation for r in ar]
+    assert lookup[0].forward_passes <= ar[0].forward_passes
+    examples = [{"history": r.history, "candidates": r.candidates, "target_index": 1} for r in reqs]
+    rep = evaluate(eng, examples, DecodeOptions(decoder="ar_lookup", max_new_tokens=24), batch_size=2, progress=False)
+    assert rep["decoder"] == "ar_lookup" and rep["n"] == 3
 
 
 def test_valid_answer_is_parsed_into_the_permutation(parts):

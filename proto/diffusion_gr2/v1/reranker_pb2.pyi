@@ -12,6 +12,7 @@ class Decoder(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DECODER_UNSPECIFIED: _ClassVar[Decoder]
     DECODER_AR: _ClassVar[Decoder]
     DECODER_DIFFUSION: _ClassVar[Decoder]
+    DECODER_AR_LOOKUP: _ClassVar[Decoder]
 
 class CommitRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -21,6 +22,7 @@ class CommitRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 DECODER_UNSPECIFIED: Decoder
 DECODER_AR: Decoder
 DECODER_DIFFUSION: Decoder
+DECODER_AR_LOOKUP: Decoder
 COMMIT_RULE_UNSPECIFIED: CommitRule
 COMMIT_RULE_CONFIDENCE: CommitRule
 COMMIT_RULE_PREFIX: CommitRule

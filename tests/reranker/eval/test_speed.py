@@ -147,12 +147,23 @@ def test_run_speed_benchmark_writes_result_with_accuracy(parts, tmp_path, monkey
     for row in saved["batches"]:
         assert 0.0 <= row["ar"]["recall@1"] <= 1.0 and 0.0 <= row["ar"]["valid_rate"] <= 1.0
         assert all(0.0 <= p["valid_rate"] <= 1.0 for p in row["points"])
+        # the exact decoders' rows, by default: HF generate and prompt lookup, both AR's tokens
+        assert [p["decoder"] for p in [row["ar"]] + row["exact_decoders"] + row["points"]] == [
+            "ar", "hf_generate", "ar_lookup", "diffusion", "diffusion"]
+        for p in row["exact_decoders"]:
+            assert p["matches_ar"] and p["same_tokens_as_ar"] == 1.0 and p["speedup"] > 0
+        hf, lookup = row["exact_decoders"]
+        assert "recall@1" not in hf and lookup["recall@1"] == row["ar"]["recall@1"]
+        assert lookup["valid_rate"] == row["ar"]["valid_rate"]
+    assert acc["ar_lookup"]["same_target_rank_as_ar"] == 1.0
+    assert saved["settings"]["exact_decoders"] == ["hf_generate", "ar_lookup"]
 
     # and the report builder renders it (speed table, frontier and length plots)
     from integration.bench import build_benchmarks
 
     md = build_benchmarks(out.parent, tmp_path / "BENCHMARKS.md", tmp_path / "plots").read_text()
     assert saved["command"] in md and "abc1234" in md
+    assert "| 1 | hf_generate |" in md and "| 2 | ar_lookup |" in md and "NOT AR's tokens" not in md
     assert (tmp_path / "plots" / "tau-frontier-tiny.png").stat().st_size > 0
     assert (tmp_path / "plots" / "speedup-length-tiny.png").stat().st_size > 0
 
@@ -228,3 +239,48 @@ def test_measure_speed_passes_hold_eos_to_the_decoder(parts, monkeypatch):
     seen.clear()
     assert measure_speed(parts["model"], parts["dmodel"], parts["prompts"], **kw)["settings"]["hold_eos"] is False
     assert seen and not any(seen)
+
+
+def test_exact_decoders_write_ars_tokens_side_by_side(parts):
+    """hf_generate and ar_lookup rows: interleaved with AR, speed-up against it, AR's greedy tokens
+    (with EOS and without it, where every row runs to the budget), tokens per forward."""
+    prompts = [p + p + p for p in parts["prompts"][:2]]  # repeated spans: something for lookup to draft
+    rep = measure_speed(parts["model"], parts["dmodel"], prompts, batch_sizes=(2,), taus=(0.9,), max_new_tokens=10,
+                        repeats=1, warmup=0, threads=1, lengths=(12,), length_taus=(0.9,), forward_blocks=(),
+                        exact_decoders=("hf_generate", "ar_lookup"))
+    json.dumps(rep)
+    for row in rep["batches"] + rep["length_curve"]:
+        ar = row["ar"]
+        assert ar["decoder"] == "ar" and ar["tokens_per_forward"] == pytest.approx(1 / ar["forward_passes_per_token"])
+        hf, lookup = row["exact_decoders"]
+        assert (hf["decoder"], lookup["decoder"]) == ("hf_generate", "ar_lookup")
+        for p in (hf, lookup):
+            assert p["matches_ar"] and p["deterministic"] and p["generated_tokens"] == ar["generated_tokens"]
+            assert p["speedup"] == pytest.approx(p["tokens_per_second"]["median"] / ar["tokens_per_second"]["median"])
+            assert p["speedup_paired"]["n"] == 1
+        # generate runs one forward per position of its longest row and does not time its prefill
+        assert hf["forward_passes"] == ar["forward_passes"]  # AR too: prefill, then one per step of its longest row
+        assert hf["decode_speedup"] is None and hf["prefill_seconds"]["n"] == 0
+        assert lookup["decode_speedup"] > 0 and 0 <= lookup["accepted_tokens"] <= lookup["drafted_tokens"]
+        assert lookup["tokens_per_forward"] >= 1.0 and lookup["forward_passes"] <= ar["forward_passes"]
+    text = format_speed(rep)
+    assert "hf_generate" in text and "ar_lookup" in text and "NOT AR's tokens" not in text
+    none = measure_speed(parts["model"], parts["dmodel"], prompts, batch_sizes=(1,), taus=(0.9,), max_new_tokens=4,
+                         repeats=1, warmup=0, lengths=(), forward_blocks=())  # by default: none
+    assert none["batches"][0]["exact_decoders"] == [] and none["settings"]["exact_decoders"] == []
+    with pytest.raises(ValueError, match="exact_decoders"):
+        measure_speed(parts["model"], parts["dmodel"], prompts, exact_decoders=("beam",))
+
+
+def test_hf_generate_is_read_back_through_eos(parts):
+    from reranker.diffusion.ar_decoder import ar_decode
+    from reranker.eval.speed import hf_generate
+
+    prompts = parts["prompts"]
+    free = ar_decode(parts["model"], prompts, 12, NO_EOS).tokens
+    eos = free[0][3]  # a token the first row writes: that row stops there, padded by generate after it
+    ref = ar_decode(parts["model"], prompts, 12, eos, parts["model"].config.pad_token_id).tokens
+    got = hf_generate(parts["model"], prompts, 12, eos, parts["model"].config.pad_token_id)
+    assert got.tokens == ref and len(got.tokens[0]) <= 4
+    assert got.n_forward == max(len(t) for t in ref)
+    assert hf_generate(parts["model"], prompts, 12, NO_EOS, 0).tokens == free

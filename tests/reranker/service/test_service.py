@@ -146,7 +146,7 @@ def slow_request(user, steps, **kw):
 
 # ---- tests ------------------------------------------------------------------------------------
 def test_rerank_real_engine_ar_and_diffusion(client):
-    for decoder in ("ar", "diffusion"):
+    for decoder in ("ar", "ar_lookup", "diffusion"):
         resp = client.rerank(ITEMS[:10], history=ITEMS[20:23], scores=[1.0 - k / 10 for k in range(10)],
                              user_id="u1", decoder=decoder, tau=0.8, block_size=4)
         assert sorted(it.previous_rank for it in resp.items) == list(range(1, 11))
