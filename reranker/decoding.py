@@ -127,9 +127,9 @@ def resolve(explicit: Mapping | None = None, recorded: Mapping | None = None) ->
 
 
 def served_rollout_settings(cfg: dict, model_config) -> dict:
-    """A diffusion training stage's rollout `tau` and `commit_rule` (OPD, RL): the stage config's,
-    where it sets them (None = not set), else what the student records, else the defaults. Stages
-    then roll out exactly as the model is served."""
+    """A diffusion training stage's decoding `tau` and `commit_rule` (OPD and RL rollouts, CFT's
+    validation decode): the stage config's, where it sets them (None = not set), else what the
+    student records, else the defaults. Stages then decode exactly as the model is served."""
     opts = resolve({"decoder": "diffusion", "tau": cfg.get("tau"), "commit_rule": cfg.get("commit_rule")},
                    recorded_settings(model_config))
     return {"tau": opts.tau, "commit_rule": opts.commit_rule}

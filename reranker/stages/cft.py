@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from reranker.decoding import served_rollout_settings
 from reranker.diffusion import diffusion_decode
 from reranker.diffusion.loss import diffusion_loss, sample_noise
 from reranker.diffusion.masks import pack_prompt_response
@@ -71,7 +72,7 @@ DEFAULTS = {
     "t_eps": 1e-3,
     "valid_noise_seed": 1234,  # the fixed noise draw of every validation
     "decode_examples": 16,  # greedy τ-decode of this many validation prompts per validation; 0: off
-    "decode_tau": 0.9,
+    "decode_tau": None,  # None: the model's recorded tau (reranker.decoding); its commit rule is used too
     "decode_max_new_tokens": None,  # None: longest reference response of those prompts + one block
     "dtype": "float32",
     "autocast": "none",  # "bf16": bfloat16 matmuls in the training forward, fp32 weights (training/precision.py)
@@ -138,7 +139,7 @@ def evaluate_loss(model, examples, cfg, ids, B, mask_id, device, rank=0, world=1
 
 @torch.no_grad()
 def decode_eval(model, tok, examples, cands, n, tau, B, mask_id, ids, max_new, device, rank=0,
-                world=1) -> dict:
+                world=1, commit_rule="confidence") -> dict:
     """Greedy τ-decode of the first n examples: valid-JSON rate, token accuracy vs the reference
     response, and tokens committed per block step."""
     was = model.training
@@ -151,7 +152,7 @@ def decode_eval(model, tok, examples, cands, n, tau, B, mask_id, ids, max_new, d
         refs = [e.input_ids[e.n_prompt:] for e in ex]
         limit = int(max_new or max(len(r) for r in refs) + B)
         res = diffusion_decode(model, [e.input_ids[:e.n_prompt] for e in ex], limit, B, mask_id, eos,
-                               pad_token_id=pad, tau=tau)
+                               pad_token_id=pad, tau=tau, commit_rule=commit_rule)
         flags = valid_json(tok, res.tokens, [cands[i] for i in mine])
         for out, ref in zip(res.tokens, refs):
             acc[0] += sum(a == b for a, b in zip(out, ref))
@@ -188,6 +189,8 @@ def train_cft(ctx: StageContext) -> StageResult:
     rank, world = ctx.rank, ctx.world_size
     notes = []  # messages from before the logger exists
     model, tok, B, mask_id = load_diffusion_model(ctx, cfg["block_size"], cfg["dtype"], notes.append)
+    # The validation decode decodes as the model is served (its recorded tau and commit rule).
+    served = served_rollout_settings({"tau": cfg["decode_tau"], "commit_rule": None}, model.config)
     model.train()
     ids = token_ids(tok)
     max_len = min(int(cfg["max_len"]), int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30))
@@ -215,9 +218,9 @@ def train_cft(ctx: StageContext) -> StageResult:
             return
         val = {"loss": evaluate_loss(model, valid, cfg, ids, B, mask_id, device, rank, world)}
         if int(cfg["decode_examples"]) > 0:
-            val.update(decode_eval(model, tok, valid, valid_cands, int(cfg["decode_examples"]),
-                                   float(cfg["decode_tau"]), B, mask_id, ids, cfg["decode_max_new_tokens"], device,
-                                   rank, world))
+            val.update(decode_eval(model, tok, valid, valid_cands, int(cfg["decode_examples"]), served["tau"], B,
+                                   mask_id, ids, cfg["decode_max_new_tokens"], device, rank, world,
+                                   served["commit_rule"]))
         run.record_validation(val, val["loss"])
 
     for batch in scheduled_batches(state, plan, ctx.seed, validate, run.snapshot):
