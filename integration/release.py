@@ -92,7 +92,7 @@ def check_run(run: Path, config: Path | None = None) -> dict:
 def _copy_model(src: Path, dst: Path) -> None:
     dst.mkdir(parents=True)
     for f in sorted(src.iterdir()):
-        if f.is_file() and (f.name in MODEL_FILES or f.suffix == ".safetensors" or f.name.endswith(".safetensors.index.json")):
+        if f.is_file() and (f.name in MODEL_FILES or f.name.endswith((".safetensors", ".safetensors.index.json"))):
             shutil.copyfile(f, dst / f.name)
 
 
@@ -161,7 +161,7 @@ def model_card(metrics: dict, recipe_name: str, recipe_sha: str, info: dict, com
              "a retriever's candidate list for a user's history (the prompt states co-purchase counts and "
              "category/brand matches per candidate).", "",
              "## Use", "", "```bash",
-             "dgr2 serve --model BUNDLE/student --data BUNDLE --port 50051   # Rerank over gRPC, the student's recorded decode settings",
+             "dgr2 serve --model BUNDLE/student --data BUNDLE --port 50051   # the student's recorded decode settings",
              "dgr2 eval --model BUNDLE/student --data BUNDLE",
              "dgr2 speed --ar BUNDLE/teacher --diffusion BUNDLE/student --data BUNDLE", "```", "",
              "## Data", "",
