@@ -152,6 +152,22 @@ def _ci(c: dict | None) -> str:
     return f"{c['diff']:+.4f} [{c['ci_low']:+.4f}, {c['ci_high']:+.4f}]" if c else ""
 
 
+def _retrieval_lines(metrics: dict) -> list[str]:
+    """The candidates' source and the non-LM baselines, as the run measured them (all its test users)."""
+    ret, lines = metrics.get("retrieval") or {}, []
+    if ret.get("recall@10") is not None:
+        lines.append(f"Candidates: SASRec + FAISS, Recall@10 {ret['recall@10']:.4f} (RecBole full sort), "
+                     f"{ret.get('recall@10_masked') or 0:.4f} with the history masked; the language-model rows are "
+                     f"the test users whose target is in the top 10.")
+    base = metrics.get("baselines") or {}
+    n = (metrics.get("baselines_info") or {}).get("test_users")
+    if base:
+        scores = [f"{name} {b['metrics']['recall@1']:.4f}" for name, b in base.items()
+                  if "recall@1" in (b.get("metrics") or {})]
+        lines.append(f"Baselines without a language model (Recall@1 on {n} test users): {', '.join(scores)}.")
+    return [x for line in lines for x in ("", line)]  # one paragraph each
+
+
 def model_card(metrics: dict, recipe_name: str, recipe_sha: str, info: dict, commit: str, n_test: int,
                sizes: dict[str, int]) -> str:
     rows = metrics["rows"]
@@ -168,7 +184,8 @@ def model_card(metrics: dict, recipe_name: str, recipe_sha: str, info: dict, com
              f"`test.jsonl`: {n_test} test prompts (rendered, with candidates and the target); candidates per list: "
              f"{info.get('n_candidates')}; co-purchase window {(info.get('copurchase') or {}).get('window')}, counted "
              "on the training split, each user's own pairs left out of that user's evidence "
-             f"(`{EVIDENCE_FILES['copurchase']}`); item fields for prompts in `{EVIDENCE_FILES['item_fields']}`.", "",
+             f"(`{EVIDENCE_FILES['copurchase']}`); item fields for prompts in `{EVIDENCE_FILES['item_fields']}`.",
+             *_retrieval_lines(metrics), "",
              "## Recipe", "",
              f"`{recipe_name}` (sha256 `{recipe_sha}`), run by `dgr2 pipeline`; code at commit `{commit}`.", "",
              f"## Metrics ({metrics.get('test_users')} test users; paired bootstrap 95% CIs)", "",

@@ -261,6 +261,10 @@ def test_release_bundle_serves_evaluates_and_times_from_itself_alone(config, tmp
         assert metrics["rows"][-1]["model_sha256"] == student_sha and metrics["rows"][-1]["shipped_as"] == "student"
         assert all(r["model_sha256"] for r in metrics["rows"][1:]) and metrics["rows"][0]["model_sha256"] is None
         assert doc["models"]["student"]["model_sha256"] == student_sha
+        card = (bundle / "MODEL_CARD.md").read_text()
+        recipe_sha = hashlib.sha256((bundle / "recipe.json").read_bytes()).hexdigest()
+        assert metrics["recipe"] == {"file": "recipe.json", "sha256": recipe_sha} and recipe_sha in card
+        assert student_sha[:16] in card and "Side by side" in card and doc["commit"] in card
 
         report, outputs = tmp_path / "eval.json", tmp_path / "outputs.jsonl"
         ecfg = config["eval"]
