@@ -272,6 +272,8 @@ def release(run, out, config=None, force: bool = False, max_mb: float = MAX_MB) 
 def verify_release(bundle) -> list[str]:
     """The problems of a bundle against its release.json (empty when every file matches)."""
     bundle = Path(bundle)
+    if not (bundle / "release.json").is_file():
+        raise FileNotFoundError(f"{bundle / 'release.json'}: missing; not a `dgr2 release` bundle")
     doc = json.loads((bundle / "release.json").read_text(encoding="utf-8"))
     problems = []
     for name, f in doc["files"].items():

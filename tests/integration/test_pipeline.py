@@ -302,9 +302,10 @@ def test_release_bundle_serves_evaluates_and_times_from_itself_alone(config, tmp
             server.kill()
             server.wait(timeout=30)
         os.rename(hidden, out)
-    assert verify_release(bundle) == []
+    assert verify_release(bundle) == [] and main(["release", "--verify", str(bundle)]) == 0
     (bundle / "sids.json").write_text("{}")
     assert verify_release(bundle) == ["sids.json: sha256 or size differs from release.json"]
+    assert main(["release", "--verify", str(bundle)]) == 1
 
 
 def test_release_names_what_a_run_lacks_and_refuses_an_existing_bundle(tmp_path):
