@@ -80,13 +80,26 @@ class RerankEngine:
         self.eos_id = tokenizer.convert_tokens_to_ids(IM_END)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
 
+    @staticmethod
+    def data_dir_for(model_dir, data_dir=None) -> Path:
+        """`data_dir`, or, when none is given, the release bundle `model_dir` lies in (`dgr2 release`
+        puts the models beside the data they serve: BUNDLE/student with --data BUNDLE)."""
+        if data_dir is not None:
+            return Path(data_dir)
+        bundle = Path(model_dir).resolve().parent
+        if not (bundle / "release.json").is_file():
+            raise ValueError(f"--data: needed, {model_dir} is not inside a release bundle (no release.json in "
+                             f"{bundle})")
+        return bundle
+
     @classmethod
-    def load(cls, model_dir, data_dir, device: str = "cpu", profile: str | None = None) -> "RerankEngine":
+    def load(cls, model_dir, data_dir=None, device: str = "cpu", profile: str | None = None) -> "RerankEngine":
+        """data_dir None: the release bundle model_dir lies in (data_dir_for)."""
         from transformers import AutoTokenizer
 
         from .model import load_model
 
-        data_dir = Path(data_dir)
+        data_dir = cls.data_dir_for(model_dir, data_dir)
         info_path = data_dir / "build_info.json"
         if not info_path.exists():
             raise FileNotFoundError(f"{info_path}: missing; build the re-ranking data with `dgr2 data build`")

@@ -283,8 +283,9 @@ def test_release_bundle_serves_evaluates_and_times_from_itself_alone(config, tmp
 
         port = _free_port()
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        # no --data: a model inside a bundle serves with the bundle's data
         server = subprocess.Popen([sys.executable, "-m", "integration.cli", "serve", "--model", str(bundle / "student"),
-                                   "--data", str(bundle), "--port", str(port)], cwd=tmp_path, env=env,
+                                   "--port", str(port)], cwd=tmp_path, env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         row = json.loads((bundle / "test.jsonl").read_text().splitlines()[0])
         first = json.loads(outputs.read_text().splitlines()[0])
@@ -329,3 +330,14 @@ def test_release_names_what_a_run_lacks_and_refuses_an_existing_bundle(tmp_path)
         release(run, tmp_path / "bundle")
     with pytest.raises(ReleaseError, match="no such run directory"):
         release(tmp_path / "nowhere", tmp_path / "other")
+
+
+def test_a_model_outside_a_bundle_needs_data(tmp_path):
+    from reranker.engine import RerankEngine
+
+    (tmp_path / "bundle" / "student").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"--data: needed, .*student is not inside a release bundle"):
+        RerankEngine.data_dir_for(tmp_path / "bundle" / "student")
+    (tmp_path / "bundle" / "release.json").write_text("{}")
+    assert RerankEngine.data_dir_for(tmp_path / "bundle" / "student") == (tmp_path / "bundle").resolve()
+    assert RerankEngine.data_dir_for(tmp_path / "bundle" / "student", "elsewhere") == Path("elsewhere")
