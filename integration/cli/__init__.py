@@ -2,8 +2,8 @@
 
 One module per command group, in the data flow's order: data (`retrieve`, `data ...`), train (`model
 ...`, `train`, `convert`), evaluate (`eval`, `speed`, `baselines`, `e2e`), serve (`serve`, `client`,
-`loadtest`), pipeline (`pipeline`, `demo`, `release`) and research (diagnostics, cost microbenchmarks, results
-and benchmark builders); common holds what they share. Building the parser imports none of the
+`loadtest`), pipeline (`pipeline`, `demo`, `release`) and research (diagnostics, cost
+microbenchmarks, results and benchmark builders); common holds what they share. Building the parser imports none of the
 heavy libraries: each command imports what it needs when it runs.
 """
 from __future__ import annotations
