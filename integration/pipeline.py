@@ -13,6 +13,7 @@ stages also resume from their last checkpoint after an interruption (reranker/st
     <out>/models/teacher    -> the final AR model;  <out>/models/student -> the final diffusion model
     <out>/eval/             one JSON report per evaluated row (+ speed.json, the batch-1 side-by-side run)
     <out>/summary.json      the stage table
+    <out>/recipe.json       the settings of the latest run (`dgr2 release` ships it)
 """
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     from .config import retrieval_settings
 
     out = Path(cfg["out"])
+    # the settings this run was made from: what `dgr2 release` ships and hashes as the recipe
+    atomic_write_text(out / "recipe.json", json.dumps(cfg, indent=2, sort_keys=True, default=str) + "\n")
     seed = int(cfg.get("seed", 0))
     n_steps = 7
     timings: dict[str, float] = {}

@@ -8,7 +8,8 @@ It needs a model directory (HF causal LM + tokenizer; a converted model carries 
 fields in config.json, and a model may record the decode settings it was trained for, which a
 caller that sends none gets: reranker.decoding) and a re-ranking data directory (`dgr2 data
 build`): the item <-> SID map, and, through build_info.json, the retrieval artifacts and item file
-from which the collaborative evidence (co-purchase counts on the training split) is rebuilt.
+from which the collaborative evidence (co-purchase counts on the training split) is rebuilt; or a
+release bundle (`dgr2 release`), whose build_info.json names its own saved evidence files instead.
 """
 from __future__ import annotations
 
@@ -79,32 +80,61 @@ class RerankEngine:
         self.eos_id = tokenizer.convert_tokens_to_ids(IM_END)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
 
+    @staticmethod
+    def data_dir_for(model_dir, data_dir=None) -> Path:
+        """`data_dir`, or, when none is given, the release bundle `model_dir` lies in (`dgr2 release`
+        puts the models beside the data they serve: BUNDLE/student with --data BUNDLE)."""
+        if data_dir is not None:
+            return Path(data_dir)
+        bundle = Path(model_dir).resolve().parent
+        if not (bundle / "release.json").is_file():
+            raise ValueError(f"--data: needed, {model_dir} is not inside a release bundle (no release.json in "
+                             f"{bundle})")
+        return bundle
+
     @classmethod
-    def load(cls, model_dir, data_dir, device: str = "cpu", profile: str | None = None) -> "RerankEngine":
+    def load(cls, model_dir, data_dir=None, device: str = "cpu", profile: str | None = None) -> "RerankEngine":
+        """data_dir None: the release bundle model_dir lies in (data_dir_for)."""
         from transformers import AutoTokenizer
 
-        from candidate_gen.atomic import load_items
-        from candidate_gen.split import train_sequences
-
-        from reranker.data.evidence import item_meta_lookup
         from .model import load_model
 
-        data_dir = Path(data_dir)
+        data_dir = cls.data_dir_for(model_dir, data_dir)
         info_path = data_dir / "build_info.json"
         if not info_path.exists():
             raise FileNotFoundError(f"{info_path}: missing; build the re-ranking data with `dgr2 data build`")
         info = json.loads(info_path.read_text())
-        # Paths in build_info.json are relative to the data directory.
-        retrieval_dir = (data_dir / info["retrieval_dir"]).resolve()
-        items_path = (data_dir / info["items_path"]).resolve()
-        seqs = json.loads((retrieval_dir / "sequences.json").read_text())
-        copurchase = CoPurchaseCounts.fit(train_sequences(seqs), window=int((info.get("copurchase") or {}).get("window", 1)))
-        meta = item_meta_lookup(load_items(items_path).to_frame())
+        copurchase, meta = cls.load_evidence(data_dir, info)
         tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         model = load_model(model_dir, device=device)
         return cls(model, tok, SemanticIds.load(data_dir / "sids.json"), meta, copurchase,
                    profile or info.get("profile", "cpu"), int(info.get("max_prompt_tokens") or 512),
                    info.get("evidence_history_items") or None)
+
+    @staticmethod
+    def load_evidence(data_dir, info: dict):
+        """(co-purchase counts, item catalog) of a data directory, from its build_info.json `info`.
+        Paths in build_info.json are relative to the data directory."""
+        from candidate_gen.atomic import load_items
+        from candidate_gen.split import train_sequences
+
+        from reranker.data.evidence import item_meta_lookup, load_item_catalog
+
+        data_dir = Path(data_dir)
+        files = info.get("evidence_files")
+        if files:
+            # a release bundle (integration/release.py): the evidence it saved, no retrieval artifacts
+            missing = [k for k in ("copurchase", "item_fields") if not files.get(k)]
+            if missing:
+                raise ValueError(f"{data_dir / 'build_info.json'}: evidence_files lacks {missing}")
+            return (CoPurchaseCounts.load(data_dir / files["copurchase"]),
+                    load_item_catalog(data_dir / files["item_fields"]))
+        retrieval_dir = (data_dir / info["retrieval_dir"]).resolve()
+        items_path = (data_dir / info["items_path"]).resolve()
+        seqs = json.loads((retrieval_dir / "sequences.json").read_text())
+        copurchase = CoPurchaseCounts.fit(train_sequences(seqs),
+                                          window=int((info.get("copurchase") or {}).get("window", 1)))
+        return copurchase, item_meta_lookup(load_items(items_path).to_frame())
 
     def decode_options(self, explicit=None) -> DecodeOptions:
         """Explicit settings over the model's recorded ones over the defaults (reranker.decoding.resolve)."""

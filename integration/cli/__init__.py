@@ -2,8 +2,8 @@
 
 One module per command group, in the data flow's order: data (`retrieve`, `data ...`), train (`model
 ...`, `train`, `convert`), evaluate (`eval`, `speed`, `baselines`, `e2e`), serve (`serve`, `client`,
-`loadtest`), pipeline (`pipeline`, `demo`) and research (diagnostics, cost microbenchmarks, results
-and benchmark builders); common holds what they share. Building the parser imports none of the
+`loadtest`), pipeline (`pipeline`, `demo`, `release`) and research (diagnostics, cost
+microbenchmarks, results and benchmark builders); common holds what they share. Building the parser imports none of the
 heavy libraries: each command imports what it needs when it runs.
 """
 from __future__ import annotations
@@ -19,11 +19,12 @@ from .serve import PASS_THROUGH
 # Each group's parser builders (add_<command>), and the order `dgr2 --help` lists the commands in.
 _GROUPS = {data: ["retrieve", "data"], train: ["model", "train", "convert"],
            evaluate: ["eval", "speed", "baselines", "e2e"], serve: ["serve", "client", "loadtest"],
-           pipeline: ["pipeline", "demo"],
+           pipeline: ["pipeline", "demo", "release"],
            research: ["sid-copy", "forward-cost", "train-cost", "report", "results", "bench"]}
 _ADDERS = {name: getattr(group, "add_" + name.replace("-", "_")) for group, names in _GROUPS.items() for name in names}
 _ORDER = ["retrieve", "results", "bench", "sid-copy", "report", "speed", "forward-cost", "train-cost", "eval",
-          "convert", "data", "baselines", "e2e", "model", "train", "serve", "client", "loadtest", "pipeline", "demo"]
+          "convert", "data", "baselines", "e2e", "model", "train", "serve", "client", "loadtest", "pipeline", "demo",
+          "release"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -76,7 +76,8 @@ def cmd_e2e(args) -> int:
 def add_eval(sub) -> None:
     e = sub.add_parser("eval", help="re-rank a split with a model and report metrics with CIs")
     e.add_argument("--model", required=True, help="model directory (AR or converted diffusion)")
-    e.add_argument("--data", required=True, help="re-ranking data directory (dgr2 data build)")
+    e.add_argument("--data", help="re-ranking data directory (dgr2 data build) or a release bundle (dgr2 release); "
+                                  "default: the bundle the model lies in")
     e.add_argument("--split", default="test", choices=["train", "valid", "test"])
     add_decode_flags(e)
     e.add_argument("--batch-size", type=int, default=8)
@@ -92,7 +93,8 @@ def add_speed(sub) -> None:
                                      "side by side (+ accuracy per point)")
     s.add_argument("--ar", required=True, help="AR model directory")
     s.add_argument("--diffusion", required=True, help="converted (diffusion) model directory")
-    s.add_argument("--data", required=True, help="re-ranking data directory (prompts and accuracy examples)")
+    s.add_argument("--data", help="re-ranking data directory or release bundle (prompts and accuracy examples); "
+                                  "default: the bundle the diffusion model lies in")
     s.add_argument("--split", default="test", choices=["train", "valid", "test"])
     s.add_argument("--out", help="write the report to this docs/results JSON file (diffusion-speed-<name>.json)")
     s.add_argument("--n-prompts", type=int, default=8, help="prompts timed per run (first N of the split)")

@@ -1,4 +1,5 @@
-"""`dgr2 pipeline` and `dgr2 demo`: every step from a config, and the stage table."""
+"""`dgr2 pipeline` and `dgr2 demo`: every step from a config, and the stage table; `dgr2 release`: a
+finished run's models and what serving them needs, as one self-contained bundle."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -47,3 +48,32 @@ def add_demo(sub) -> None:
     d = sub.add_parser("demo", help="run the main job on the embedded synthetic default")
     d.add_argument("--config", default="configs/demo.yaml")
     d.set_defaults(func=cmd_demo)
+
+
+def cmd_release(args) -> int:
+    from ..release import release, verify_release
+
+    if args.verify:
+        problems = verify_release(args.verify)
+        print("\n".join(problems) if problems else f"{args.verify}: every file matches release.json")
+        return 1 if problems else 0
+    if not (args.run and args.out):
+        raise ValueError("give --run and --out (or --verify BUNDLE)")
+    doc = release(args.run, args.out, config=args.config, force=args.force, max_mb=args.max_mb)
+    print(f"released {args.run} to {args.out}: {len(doc['files'])} files, {doc['total_bytes'] / 1e6:.1f} MB; "
+          + ", ".join(f"{k} {v['model_sha256'][:16]}" for k, v in doc["models"].items()))
+    return 0
+
+
+def add_release(sub) -> None:
+    from ..release import MAX_MB
+
+    r = sub.add_parser("release", help="bundle a finished pipeline run: teacher, student, evidence, test prompts, "
+                                       "model card, release.json")
+    r.add_argument("--run", help="the `dgr2 pipeline` output directory (its `out`)")
+    r.add_argument("--out", help="the bundle directory to write (refused when it exists)")
+    r.add_argument("--config", help="the recipe file the run was made from (default: the run's recipe.json)")
+    r.add_argument("--force", action="store_true", help="replace an existing bundle")
+    r.add_argument("--max-mb", type=float, default=MAX_MB, help="refuse a bundle heavier than this")
+    r.add_argument("--verify", metavar="BUNDLE", help="check a bundle's files against its release.json instead")
+    r.set_defaults(func=cmd_release)

@@ -11,6 +11,7 @@ example would show the model its own answer as "collaborative evidence".
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -83,6 +84,39 @@ def item_meta_lookup(items) -> ItemCatalog:
     return ItemCatalog(out, (f for f in ITEM_FIELDS if not present[f]))
 
 
+def save_item_catalog(path, catalog: Mapping, items) -> Path:
+    """The prompt fields (title, brand, categories) of `items`, and which fields the whole catalog
+    lacks (its `absent`, which a subset could not recompute), as JSON written atomically."""
+    from candidate_gen.files import atomic_write_json
+
+    empty = ItemMeta("", "", ())
+    rows = {str(i): catalog.get(str(i), empty)._asdict() for i in items}
+    for row in rows.values():
+        row["categories"] = list(row["categories"])
+    return atomic_write_json(path, {"format": "diffusion-gr2/item-fields/v1",
+                                    "absent": [f for f in ITEM_FIELDS if f in absent_fields(catalog)],
+                                    "items": rows})
+
+
+def load_item_catalog(path) -> ItemCatalog:
+    """An ItemCatalog saved by `save_item_catalog`; a missing file or field is an error naming it."""
+    import json
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing; the item fields file (`dgr2 release` writes it)")
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(doc, dict) or not isinstance(doc.get("items"), dict):
+        raise ValueError(f"{path}: expected an object with an 'items' mapping (item_id -> fields)")
+    out = {}
+    for item, row in doc["items"].items():
+        missing = [f for f in ITEM_FIELDS if f not in row]
+        if missing:
+            raise ValueError(f"{path}: item {item!r} lacks field(s) {missing}")
+        out[item] = ItemMeta(str(row["title"]), str(row["brand"]), tuple(str(c) for c in row["categories"]))
+    return ItemCatalog(out, doc.get("absent") or ())
+
+
 def as_item_meta(items_meta) -> Mapping[str, ItemMeta]:
     """Accept a ready mapping (cheap) or a DataFrame (converted on every call: convert once instead)."""
     if isinstance(items_meta, Mapping):
@@ -143,6 +177,45 @@ class CoPurchaseCounts:
             sorted_counts = self._user_counts[order]
             self._keys, starts = np.unique(sorted_keys, return_index=True)
             self._counts = np.add.reduceat(sorted_counts, starts) if len(starts) else np.zeros(0, dtype=np.int64)
+        return self
+
+    # The arrays of a saved CoPurchaseCounts (`save` / `load`): plain numbers and strings, no objects.
+    _ARRAYS = ("keys", "counts", "user_ptr", "user_keys", "user_counts")
+
+    def save(self, path) -> Path:
+        """The counts as a compressed .npz of plain arrays (item and user ids as unicode arrays), so a
+        release can serve the same evidence without the training sequences; written atomically.
+        `load` reads it with allow_pickle=False: no object in the file is ever unpickled."""
+        from candidate_gen.files import atomic_write
+
+        arrays = {"window": np.asarray(self.window, dtype=np.int64),
+                  "items": np.asarray(list(self._item_index), dtype=str),
+                  "users": np.asarray(list(self._user_slot), dtype=str),
+                  **{name: getattr(self, "_" + name) for name in self._ARRAYS}}
+
+        def write(tmp: str) -> None:
+            with open(tmp, "wb") as f:  # a file object: np.savez would append ".npz" to a name
+                np.savez_compressed(f, **arrays)
+
+        return atomic_write(path, write)
+
+    @classmethod
+    def load(cls, path) -> "CoPurchaseCounts":
+        """Counts saved by `save`; a missing file or array is an error naming it."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: missing; the co-purchase evidence file (`dgr2 release` writes it)")
+        with np.load(path, allow_pickle=False) as z:
+            missing = [k for k in ("window", "items", "users", *cls._ARRAYS) if k not in z.files]
+            if missing:
+                raise ValueError(f"{path}: not a co-purchase evidence file, lacks array(s) {missing}")
+            self = cls(int(z["window"]))
+            self._item_index = {str(item): i for i, item in enumerate(z["items"].tolist())}
+            self._user_slot = {str(user): i for i, user in enumerate(z["users"].tolist())}
+            for name in cls._ARRAYS:
+                setattr(self, "_" + name, z[name].astype(np.int64))
+        if len(self._user_ptr) != len(self._user_slot) + 1:
+            raise ValueError(f"{path}: user_ptr has {len(self._user_ptr)} entries for {len(self._user_slot)} users")
         return self
 
     @property

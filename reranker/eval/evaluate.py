@@ -86,6 +86,7 @@ def evaluate_dirs(model_dir, data_dir, split: str = "test", options: DecodeOptio
                   keep_outputs: bool = False, settings: dict | None = None) -> dict:
     """options None: `settings` (the decode settings given, by name) over what the model records
     (RerankEngine.decode_options)."""
+    data_dir = RerankEngine.data_dir_for(model_dir, data_dir)  # None: the model's release bundle
     engine = RerankEngine.load(model_dir, data_dir)
     examples = load_examples(Path(data_dir) / f"{split}.jsonl", limit)
     options = options if options is not None else engine.decode_options(settings)

@@ -642,6 +642,7 @@ def run_speed_benchmark(ar_dir, diff_dir, data_dir, out_json=None, n_prompts=8, 
     threads = kw.get("threads")
     if threads:  # before loading: some kernels size their pools at first use
         torch.set_num_threads(int(threads))
+    data_dir = RerankEngine.data_dir_for(diff_dir, data_dir)  # None: the diffusion model's release bundle
     engine_ar = RerankEngine.load(ar_dir, data_dir, device=device)
     engine_diff = RerankEngine.load(diff_dir, data_dir, device=device)
     # settings not given: the diffusion model's recorded ones (reranker.decoding); the taus are a sweep

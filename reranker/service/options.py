@@ -59,7 +59,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """The serve options (shared with `dgr2 serve`)."""
     d, lim = ServerConfig(), ServiceLimits()
     p.add_argument("--model", required=True, help="model directory (HF causal LM + tokenizer)")
-    p.add_argument("--data", required=True, help="re-ranking data directory (dgr2 data build)")
+    p.add_argument("--data", help="re-ranking data directory (dgr2 data build) or a release bundle (dgr2 release); "
+                                  "default: the bundle the model lies in")
     p.add_argument("--retrieval", help="retrieval artifacts directory; enables Recommend")
     p.add_argument("--host", default=d.host, help="bind address of gRPC and metrics (default: loopback only)")
     p.add_argument("--port", type=int, default=d.port, help="0: any free port")

@@ -205,3 +205,139 @@ def test_readme_quick_start_commands_work_on_what_the_pipeline_wrote(config):
     assert answers and all(len(a["items"]) == len(json.loads(
         (out / "rerank_data" / "test.jsonl").read_text().splitlines()[0])["candidates"]) for a in answers)
     assert any("Recall@1" in o or "recall@1" in o for ln, o in outputs if " eval " in ln)
+
+
+def test_release_bundle_serves_evaluates_and_times_from_itself_alone(config, tmp_path):
+    """`dgr2 release` on the pipeline run; the bundle moved to a fresh directory and the run renamed
+    away, so nothing outside the bundle can be read: eval from the bundle gives the final diffusion
+    row's ranks on the same users, a gRPC Rerank against `serve` on the bundle gives eval's ranking
+    of the same prompt, speed runs, and release.json's sha256s match the files."""
+    import hashlib
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    from integration.cli import main
+    from integration.release import ReleaseError, release, verify_release
+    from reranker.engine import RerankEngine, RerankRequest
+    from reranker.eval.evaluate import load_examples
+    from reranker.service.client import RerankerClient, to_dict
+
+    summary = run_full_pipeline(config)  # skipped when done
+    out = Path(config["out"])
+    staged = tmp_path / "staged" / "bundle"
+    release(out, staged)
+    with pytest.raises(ReleaseError, match="exists; give --force"):
+        release(out, staged)
+    doc = release(out, staged, force=True)  # replaced whole, no leftovers beside it
+    assert sorted(p.name for p in staged.parent.iterdir()) == ["bundle"]
+    assert {"teacher", "student"} == set(doc["models"]) and doc["total_bytes"] < 60e6
+    names = set(doc["files"])
+    assert {"student/model.safetensors", "teacher/config.json", "student/tokenizer.json", "test.jsonl",
+            "copurchase.npz", "item_fields.json", "sids.json", "build_info.json", "MODEL_CARD.md",
+            "metrics.json", "recipe.json"} <= names
+    assert not any("stage_done" in n or "optimizer" in n or "checkpoint" in n for n in names), names
+    # The saved evidence renders every test prompt exactly as the run's retrieval artifacts do.
+    examples = load_examples(out / "rerank_data" / "test.jsonl")
+    reqs = [RerankRequest(r["history"], r["candidates"], r.get("scores"), r.get("user")) for r in examples]
+    run_engine = RerankEngine.load(out / "models" / "student", out / "rerank_data")
+    bundle_engine = RerankEngine.load(staged / "student", staged)
+    assert [bundle_engine.prompt_ids(r) for r in reqs] == [run_engine.prompt_ids(r) for r in reqs]
+    del run_engine, bundle_engine
+
+    final = summary["rows"][-1]
+    final_report = json.loads((out / "eval" / "pCFTpOPDpRL.json").read_text())
+    bundle = tmp_path / "fresh" / "amazon-tiny"
+    bundle.parent.mkdir()
+    shutil.move(str(staged), str(bundle))
+    hidden = out.with_name(out.name + "-hidden")
+    os.rename(out, hidden)  # the run is unreachable until the end of this test
+    server = None
+    try:
+        metrics = json.loads((bundle / "metrics.json").read_text())
+        student_sha = hashlib.sha256((bundle / "student" / "model.safetensors").read_bytes()).hexdigest()
+        assert metrics["rows"][-1]["model_sha256"] == student_sha and metrics["rows"][-1]["shipped_as"] == "student"
+        assert all(r["model_sha256"] for r in metrics["rows"][1:]) and metrics["rows"][0]["model_sha256"] is None
+        assert doc["models"]["student"]["model_sha256"] == student_sha
+        card = (bundle / "MODEL_CARD.md").read_text()
+        recipe_sha = hashlib.sha256((bundle / "recipe.json").read_bytes()).hexdigest()
+        assert metrics["recipe"] == {"file": "recipe.json", "sha256": recipe_sha} and recipe_sha in card
+        assert student_sha[:16] in card and "Side by side" in card and doc["commit"] in card
+
+        report, outputs = tmp_path / "eval.json", tmp_path / "outputs.jsonl"
+        ecfg = config["eval"]
+        assert main(["eval", "--model", str(bundle / "student"), "--data", str(bundle), "--limit", str(final["n"]),
+                     "--batch-size", str(ecfg["batch_size"]), "--max-new-tokens", str(ecfg["max_new_tokens"]),
+                     "--out", str(report), "--outputs", str(outputs)]) == 0
+        rep = json.loads(report.read_text())
+        assert rep["n"] == final["n"] and rep["recall@1"] == final["recall@1"]
+        assert rep["ranks"] == final_report["ranks"] and rep["valid_rate"] == final["valid_rate"]
+        assert (rep["commit_rule"], rep["hold_eos"]) == ("prefix", True)  # what the student records
+
+        assert main(["speed", "--ar", str(bundle / "teacher"), "--diffusion", str(bundle / "student"),
+                     "--data", str(bundle), "--n-prompts", "1", "--batch-sizes", "1", "--taus", "0.9",
+                     "--repeats", "1", "--warmup", "0", "--lengths", "", "--forward-blocks", "",
+                     "--exact-decoders", "", "--no-accuracy", "--max-new-tokens", "16"]) == 0
+
+        port = _free_port()
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        # no --data: a model inside a bundle serves with the bundle's data
+        server = subprocess.Popen([sys.executable, "-m", "integration.cli", "serve", "--model", str(bundle / "student"),
+                                   "--port", str(port)], cwd=tmp_path, env=env,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        row = json.loads((bundle / "test.jsonl").read_text().splitlines()[0])
+        first = json.loads(outputs.read_text().splitlines()[0])
+        with RerankerClient(f"127.0.0.1:{port}") as client:
+            deadline = time.time() + 120
+            while not client.wait_until_serving(timeout=2):
+                assert server.poll() is None, server.stderr.read()
+                assert time.time() < deadline, "server did not become healthy in 120 s"
+            answer = to_dict(client.rerank(row["candidates"], row["history"], row.get("scores"), row.get("user") or "",
+                                           max_new_tokens=ecfg["max_new_tokens"]))
+        ranked = [it["item_id"] for it in sorted(answer["items"], key=lambda it: it["new_rank"])]
+        assert ranked == [row["candidates"][i] for i in first["permutation"]]
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait(timeout=30)
+        os.rename(hidden, out)
+    assert verify_release(bundle) == [] and main(["release", "--verify", str(bundle)]) == 0
+    (bundle / "sids.json").write_text("{}")
+    assert verify_release(bundle) == ["sids.json: sha256 or size differs from release.json"]
+    assert main(["release", "--verify", str(bundle)]) == 1
+
+
+def test_release_names_what_a_run_lacks_and_refuses_an_existing_bundle(tmp_path):
+    from integration.release import ReleaseError, release
+
+    run = tmp_path / "run"
+    (run / "models" / "teacher").mkdir(parents=True)
+    (run / "models" / "teacher" / "config.json").write_text("{}")
+    (run / "rerank_data").mkdir()
+    (run / "rerank_data" / "sids.json").write_text("{}")
+    with pytest.raises(ReleaseError) as e:
+        release(run, tmp_path / "bundle")
+    msg = str(e.value)
+    for piece in ("models/teacher/*.safetensors", "models/student/config.json", "rerank_data/build_info.json",
+                  "rerank_data/test.jsonl", "summary.json", "eval/", "recipe.json"):
+        assert piece in msg, piece
+    assert "rerank_data/sids.json" not in msg
+    assert not (tmp_path / "bundle").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    (tmp_path / "bundle").mkdir()
+    with pytest.raises(ReleaseError, match=r"bundle: exists; give --force"):
+        release(run, tmp_path / "bundle")
+    with pytest.raises(ReleaseError, match="no such run directory"):
+        release(tmp_path / "nowhere", tmp_path / "other")
+
+
+def test_a_model_outside_a_bundle_needs_data(tmp_path):
+    from reranker.engine import RerankEngine
+
+    (tmp_path / "bundle" / "student").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"--data: needed, .*student is not inside a release bundle"):
+        RerankEngine.data_dir_for(tmp_path / "bundle" / "student")
+    (tmp_path / "bundle" / "release.json").write_text("{}")
+    assert RerankEngine.data_dir_for(tmp_path / "bundle" / "student") == (tmp_path / "bundle").resolve()
+    assert RerankEngine.data_dir_for(tmp_path / "bundle" / "student", "elsewhere") == Path("elsewhere")

@@ -124,3 +124,40 @@ def test_catalog_knows_the_fields_no_item_has():
     full = item_meta_lookup(items.assign(title="T", brand=["B", ""]))
     assert absent_fields(full) == frozenset() and absent_fields_note(full, "x.item") is None
     assert absent_fields({"a": meta["a"]}) == frozenset()  # a plain mapping: nothing known to be absent
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_saved_counts_load_back_equal_without_pickle(tmp_path, window):
+    """What a release bundle serves from: every count, with every user excluded, as fitted."""
+    from reranker.data.evidence import CoPurchaseCounts
+
+    cp = CoPurchaseCounts.fit(SEQS, window=window)
+    back = CoPurchaseCounts.load(cp.save(tmp_path / "cp.npz"))
+    items = sorted({i for s in SEQS.values() for i in s}) + ["unseen"]
+    assert back.window == window and back.n_pairs == cp.n_pairs
+    for user in [None, "nobody", *SEQS]:
+        assert [[back.count(a, b, user) for b in items] for a in items] == \
+               [[cp.count(a, b, user) for b in items] for a in items], user
+    with np.load(tmp_path / "cp.npz") as z:
+        arrays = dict(z)
+    np.savez(tmp_path / "objects.npz", **{**arrays, "items": np.asarray([{"a": 1}], dtype=object)})
+    with pytest.raises(ValueError, match="allow_pickle"):  # an object array needs unpickling: refused
+        CoPurchaseCounts.load(tmp_path / "objects.npz")
+    np.savez(tmp_path / "partial.npz", **{k: v for k, v in arrays.items() if k != "user_ptr"})
+    with pytest.raises(ValueError, match=r"lacks array\(s\) \['user_ptr'\]"):
+        CoPurchaseCounts.load(tmp_path / "partial.npz")
+    with pytest.raises(FileNotFoundError, match="missing.npz: missing"):
+        CoPurchaseCounts.load(tmp_path / "missing.npz")
+
+
+def test_saved_item_catalog_keeps_its_fields_and_what_is_absent(tmp_path):
+    from reranker.data.evidence import load_item_catalog, save_item_catalog
+
+    items = pd.DataFrame({"item_id": ["a", "b"], "title": ["A", "B"], "brand": [None, None],
+                          "categories": ["x y", None]})
+    catalog = item_meta_lookup(items)
+    back = load_item_catalog(save_item_catalog(tmp_path / "items.json", catalog, ["a", "b"]))
+    assert dict(back) == dict(catalog) and back.absent == catalog.absent == {"brand"}
+    (tmp_path / "bad.json").write_text('{"items": {"a": {"title": "A"}}}')
+    with pytest.raises(ValueError, match=r"item 'a' lacks field\(s\) \['brand', 'categories'\]"):
+        load_item_catalog(tmp_path / "bad.json")
