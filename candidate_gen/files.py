@@ -10,6 +10,7 @@ the file and the line.
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import io
 import json
 import os
@@ -220,6 +221,26 @@ def write_jsonl(path: str | os.PathLike, rows: Iterable[dict], ensure_ascii: boo
 
 
 # ---------------------------------------------------------------- docs/results files
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def model_sha256(model_dir: str | os.PathLike) -> str:
+    """The sha256 of a model directory's weights: of its one safetensors file (what `sha256sum`
+    prints), or, for a sharded model, of the `sha256sum`-style lines of its files in name order.
+    What a stage table row, a release and an evaluation's cache key name a model by."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no *.safetensors weights")
+    if len(files) == 1:
+        return file_sha256(files[0])
+    return hashlib.sha256("".join(f"{file_sha256(f)}  {f.name}\n" for f in files).encode()).hexdigest()
+
+
 def current_commit() -> str:
     """The short git commit of the working directory ("-dirty" with uncommitted changes), else "unknown"."""
     try:

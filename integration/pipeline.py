@@ -23,7 +23,7 @@ import logging
 import time
 from pathlib import Path
 
-from candidate_gen.files import atomic_write_text
+from candidate_gen.files import atomic_write_text, file_sha256, model_sha256
 
 from .config import section
 
@@ -168,7 +168,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
 
     keep = ("n", "recall@1", "recall@3", "ndcg@3", "ndcg@5", "valid_rate", "fallback_rate", "copy_order_rate",
             "tokens_per_second", "forward_passes_per_token", "mean_generated_tokens", "speedup_vs_ar", "vs_ar",
-            "vs_retriever", "failures", "decoder", "model")
+            "vs_retriever", "failures", "decoder", "model", "model_sha256")
     rows = [{"name": "retriever order", "n": table[0]["n"], **table[0]["retriever"]}] if table else []
     rows += [{"name": rep["label"], **{k: rep.get(k) for k in keep}} for rep in table]
     baselines = json.loads((data_dir / "baselines.json").read_text())
@@ -251,21 +251,6 @@ def _items_file(rs) -> Path:
 EVAL_DECODE_KEYS = ("tau", "max_new_tokens", "commit_rule", "hold_eos")  # the eval section's decode settings
 
 
-def _weights_hash(model_dir: Path) -> str:
-    """sha256 of a model directory's weight files: what an evaluation's result depends on."""
-    h = hashlib.sha256()
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        h.update(f.name.encode())
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
-
-
-def _file_hash(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
 def _decode_options(ecfg: dict, decoder: str, model_dir=None):
     """The eval config's decode settings over what model_dir records over the defaults
     (reranker.decoding.resolve); an invalid one is an error naming it."""
@@ -289,17 +274,18 @@ def evaluate_rows(rows, data_dir: Path, ecfg: dict, eval_dir: Path) -> list[dict
 
     test_file = data_dir / f"{ecfg.get('split', 'test')}.jsonl"
     examples = load_examples(test_file, ecfg.get("limit"))
-    test_hash = _file_hash(test_file)
+    test_hash = file_sha256(test_file)
     out, ar_ranks, by_key = [], None, {}
     for label, model_dir, decoder in rows:
         opts = _decode_options(ecfg, decoder, model_dir)
         # The resolved options, not the config subset: what a model directory records counts too.
-        key = _hash("eval", _weights_hash(model_dir), test_hash, opts.as_dict(),
+        weights = model_sha256(model_dir)
+        key = _hash("eval", weights, test_hash, opts.as_dict(),
                     {k: ecfg.get(k) for k in ("split", "limit", "batch_size")})
         path = eval_dir / f"{label.replace(' ', '_').replace('+', 'p')}.json"
         cached = json.loads(path.read_text()) if path.is_file() else None
         if cached is not None and cached.get("eval_key") == key:
-            rep = cached
+            rep = {**cached, "model_sha256": weights}
             print(f"  eval {label}: up to date, skipped", flush=True)
         elif key in by_key:
             # A stage that kept its start (RL whose validation never improved) wrote the same weights:
@@ -310,7 +296,8 @@ def evaluate_rows(rows, data_dir: Path, ecfg: dict, eval_dir: Path) -> list[dict
         else:
             engine = RerankEngine.load(model_dir, data_dir)
             rep = evaluate(engine, examples, opts, int(ecfg.get("batch_size", 8)))
-            rep.update(label=label, model=str(model_dir), eval_key=key)
+            # model_sha256: the row's model by the sha256 of its weights, as a release names it
+            rep.update(label=label, model=str(model_dir), eval_key=key, model_sha256=weights)
             atomic_write_text(path, json.dumps(rep, indent=2))
         by_key.setdefault(key, rep)
         if label == "AR GR2":
@@ -338,7 +325,7 @@ def measure_final_speed(ar_dir: Path, diff_dir: Path, data_dir: Path, scfg: dict
 
     opts = _decode_options(ecfg, "diffusion", diff_dir)
     settings = {k: scfg.get(k) for k in SPEED_KEYS}
-    key = _hash("speed", _weights_hash(ar_dir), _weights_hash(diff_dir), settings, opts.as_dict(),
+    key = _hash("speed", model_sha256(ar_dir), model_sha256(diff_dir), settings, opts.as_dict(),
                 {k: ecfg.get(k) for k in ("split",)})
     if path.is_file():
         cached = json.loads(path.read_text())

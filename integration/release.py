@@ -25,7 +25,8 @@ import os
 import shutil
 from pathlib import Path
 
-from candidate_gen.files import atomic_write_json, atomic_write_text, current_commit, write_dir_atomically
+from candidate_gen.files import (atomic_write_json, atomic_write_text, current_commit, file_sha256, model_sha256,
+                                 write_dir_atomically)
 
 RELEASE_FORMAT = "diffusion-gr2/release/v1"
 # The files of a model directory a user needs to load it; everything else a stage leaves there
@@ -41,25 +42,6 @@ MAX_MB = 60.0  # what a committed bundle may weigh (the Beauty release's cap)
 
 class ReleaseError(ValueError):
     """A run directory that cannot be released (what is missing, named) or a refused output."""
-
-
-def file_sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def model_sha256(model_dir) -> str:
-    """The sha256 of a model's weights: of its one safetensors file (what `sha256sum` prints), or,
-    for a sharded model, of the `sha256sum`-style lines of its files in name order."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ReleaseError(f"{model_dir}: no *.safetensors weights")
-    if len(files) == 1:
-        return file_sha256(files[0])
-    return hashlib.sha256("".join(f"{file_sha256(f)}  {f.name}\n" for f in files).encode()).hexdigest()
 
 
 def check_run(run: Path, config: Path | None = None) -> dict:

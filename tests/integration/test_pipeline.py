@@ -61,6 +61,11 @@ def test_pipeline_runs_every_stage_then_skips(config, capsys):
         rep = json.loads((out / "eval" / f"{name}.json").read_text())
         assert (rep["decoder"], rep["commit_rule"], rep["hold_eos"]) == ("diffusion", "prefix", True)
     assert (sp["commit_rule"], sp["hold_eos"]) == ("prefix", True)
+    # Every model row names its weights by sha256, as `sha256sum` prints it for the one weights file.
+    import hashlib
+    student_weights = (out / "models" / "student" / "model.safetensors").read_bytes()
+    assert summary["rows"][-1]["model_sha256"] == hashlib.sha256(student_weights).hexdigest()
+    assert all(len(r["model_sha256"]) == 64 for r in summary["rows"][1:])
     capsys.readouterr()
     again = run_full_pipeline(config)
     log = capsys.readouterr().out
