@@ -19,7 +19,6 @@ training splits stay behind.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
