@@ -18,7 +18,12 @@ def cmd_pipeline(args) -> int:
 
     t0 = time.time()
     cfg = load_config(args.config)
-    summary = run_full_pipeline(cfg, data_override=getattr(args, "data", None))
+    if getattr(args, "out", None):
+        cfg["out"] = args.out
+    summary = run_full_pipeline(cfg, data_override=getattr(args, "data", None), only_until=getattr(args, "until", None))
+    if getattr(args, "until", None):
+        print(f"stopped after {args.until!r}: {cfg['out']}  ({time.time() - t0:.0f} s)")
+        return 0
     print()
     print(f"retrieval: Recall@10 {summary['retrieval']['recall@10']:.4f} (RecBole standard), "
           f"{summary['retrieval']['recall@10_masked']:.4f} (history masked)")
@@ -40,6 +45,9 @@ def add_pipeline(sub) -> None:
     pl = sub.add_parser("pipeline", help="retrieval -> data -> sft -> ar_rl -> convert -> cft -> opd -> rl -> eval")
     pl.add_argument("--config", required=True)
     pl.add_argument("--data", help="directory with <name>.inter / <name>.item (overrides the config)")
+    pl.add_argument("--out", help="output directory (overrides the config's `out`; may live outside the work tree, "
+                    "and a later run with the same --out resumes it)")
+    pl.add_argument("--until", choices=["data"], help="stop after this step (the rest runs on a later call)")
     pl.add_argument("--results", help="also write the summary to this docs/results JSON file")
     pl.set_defaults(func=cmd_pipeline)
 
