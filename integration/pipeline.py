@@ -26,11 +26,12 @@ from pathlib import Path
 from candidate_gen.files import atomic_write_text, file_sha256, model_sha256
 
 from .config import section
+from .phases import choose_on_validation, copy_warmup_specs, phase_specs
 
 log = logging.getLogger(__name__)
 
-AR_STAGES = ("sft", "ar_rl")
-DIFFUSION_STAGES = ("cft", "opd", "rl")
+# the `stages` settings, in the order they run (integration/phases.py: phases, copy draws, choices)
+STAGE_KEYS = ("copy_warmup", "sft", "choose_teacher", "ar_rl", "cft", "choose_student", "opd", "rl")
 
 
 def _hash(*parts) -> str:
@@ -55,7 +56,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     from reranker.diffusion.convert import convert_to_diffusion
     from reranker.eval.baselines import run_baselines
     from reranker.stages.base import read_done
-    from reranker.stages.pipeline import run_pipeline
+    from reranker.stages.pipeline import model_fingerprint, run_pipeline
     from reranker.training.init_model import init_model
 
     from .config import retrieval_settings
@@ -107,16 +108,27 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
         init_model(data_dir, init_dir, size=mcfg.get("size", "cpu"), base=mcfg.get("base"), seed=seed)
         _mark(out / "models" / ".init_done.json", h_init)
     stages = section(cfg, "stages")
-    ar_specs = []
-    if "copy_warmup" in stages:
-        # `sft` runs on copy warm-up examples first (reranker/data/copy_warmup.py explains why).
-        ar_specs += copy_warmup_specs(stages["copy_warmup"], data_dir, seed)
-    n_warm = len(ar_specs)
-    ar_specs += [{"name": s, "config": stages[s] or {}} for s in AR_STAGES if s in stages]
-    _step("ar", 3, n_steps, " -> ".join(["copy_warmup"] * n_warm + [s for s in AR_STAGES if s in stages]))
-    ar_runs = run_pipeline(ar_specs, init_dir, out / "runs" / "ar", data_dir, seed=seed)
-    ar_dir = Path(ar_runs[-1]["output_dir"]) if ar_runs else init_dir
-    sft_dir = Path(ar_runs[n_warm]["output_dir"]) if len(ar_runs) > n_warm else ar_dir
+    unknown = sorted(set(stages) - set(STAGE_KEYS))
+    if unknown:
+        raise ValueError(f"stages: unknown key(s) {unknown}; allowed, in the order they run: {list(STAGE_KEYS)}")
+    ecfg = section(cfg, "eval")
+    selection: dict[str, dict] = {}
+    # run dirs are numbered from 1 along each chain (runs/ar/01_..., runs/diffusion/01_...)
+    ar_specs = copy_warmup_specs(stages["copy_warmup"], data_dir, seed, 1) if "copy_warmup" in stages else []
+    if "sft" in stages:
+        ar_specs += phase_specs("sft", stages["sft"], data_dir, seed, len(ar_specs) + 1)
+    _step("ar", 3, n_steps, " -> ".join([s["id"][3:] for s in ar_specs]
+                                        + [x for x in ("choose_teacher", "ar_rl") if x in stages]))
+    ar_runs = run_pipeline(ar_specs, init_dir, out / "runs" / "ar", data_dir, seed=seed) if ar_specs else []
+    sft_dir = Path(ar_runs[-1]["output_dir"]) if ar_runs else init_dir
+    if "choose_teacher" in stages and ar_runs:
+        sft_dir, selection["teacher"] = choose_on_validation("choose_teacher", stages["choose_teacher"], ar_runs,
+                                                             data_dir, ecfg, out, "ar")
+    rl_runs = []
+    if "ar_rl" in stages:
+        rl_runs = run_pipeline(phase_specs("ar_rl", stages["ar_rl"], data_dir, seed, len(ar_specs) + 1), sft_dir,
+                               out / "runs" / "ar", data_dir, seed=seed)
+    ar_dir = Path(rl_runs[-1]["output_dir"]) if rl_runs else sft_dir
     timings["ar_stages"] = time.time() - t
 
     # 4. Conversion and diffusion stages.
@@ -126,29 +138,45 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     # in the converted model, carried by every later stage, used by OPD/RL rollouts, eval and serve.
     decode = section(cfg, "convert").get("decode") or {}
     naive_dir = out / "models" / "naive"
-    h_conv = _hash("convert", ar_runs[-1].get("config_hash") if ar_runs else h_init, block, decode)
+    h_conv = _hash("convert", model_fingerprint(ar_dir), block, decode)
     if not _done(out / "models" / ".naive_done.json", h_conv):
         _step("convert", 4, n_steps, f"AR -> block diffusion, B = {block}")
         convert_to_diffusion(ar_dir, naive_dir, block_size=block, decode=decode)
         _mark(out / "models" / ".naive_done.json", h_conv)
-    d_specs = []
-    for s in DIFFUSION_STAGES:
+    _step("diffusion", 5, n_steps, " -> ".join(x for x in ("cft", "choose_student", "opd", "rl") if x in stages))
+    d_runs = []
+    student = naive_dir
+    if "cft" in stages:
+        cft_runs = run_pipeline(phase_specs("cft", stages["cft"], data_dir, seed, 1), naive_dir,
+                                out / "runs" / "diffusion", data_dir, seed=seed)
+        student = Path(cft_runs[-1]["output_dir"])
+        if "choose_student" in stages:
+            student, selection["student"] = choose_on_validation("choose_student", stages["choose_student"],
+                                                                 cft_runs, data_dir, ecfg, out, "diffusion")
+        d_runs.append({"name": "cft", "output_dir": str(student), "runs": cft_runs})
+    n_d = sum(len(r["runs"]) for r in d_runs)
+    for s in ("opd", "rl"):
         if s in stages:
-            conf = dict(stages[s] or {})
-            if s == "opd":
-                conf.setdefault("teacher", str(ar_dir))
-            d_specs.append({"name": s, "config": conf})
-    _step("diffusion", 5, n_steps, " -> ".join(x["name"] for x in d_specs))
-    d_runs = run_pipeline(d_specs, naive_dir, out / "runs" / "diffusion", data_dir, seed=seed)
+            conf = stages[s]
+            if s == "opd":  # OPD distils from the final teacher unless told otherwise
+                conf = [{"teacher": str(ar_dir), **c} for c in conf] if isinstance(conf, list) else \
+                    {"teacher": str(ar_dir), **(conf or {})}
+            runs = run_pipeline(phase_specs(s, conf, data_dir, seed, n_d + 1), student, out / "runs" / "diffusion",
+                                data_dir, seed=seed)
+            n_d += len(runs)
+            student = Path(runs[-1]["output_dir"])
+            d_runs.append({"name": s, "output_dir": str(student), "runs": runs})
     timings["diffusion_stages"] = time.time() - t
     # Stable names for the two models a user serves and evaluates (the run dirs are named by stage).
     _link(out / "models" / "teacher", ar_dir)
     if d_runs:
-        _link(out / "models" / "student", Path(d_runs[-1]["output_dir"]))
+        _link(out / "models" / "student", student)
+
+    all_runs = ar_runs + rl_runs + [x for r in d_runs for x in r["runs"]]
 
     # 5. Evaluation of every row of the stage table.
     t = time.time()
-    rows = [("AR GR2 (sft)", sft_dir, "ar")] if len(ar_runs) > n_warm + 1 else []
+    rows = [("AR GR2 (sft)", sft_dir, "ar")] if rl_runs else []
     rows += [("AR GR2", ar_dir, "ar"), ("naive conversion", naive_dir, "diffusion")]
     label = {"cft": "+CFT", "opd": "+CFT+OPD", "rl": "+CFT+OPD+RL"}
     rows += [(label.get(r["name"], r["name"]), Path(r["output_dir"]), "diffusion") for r in d_runs]
@@ -161,7 +189,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     speed = None
     if "speed" in cfg and d_runs:
         _step("speed", 7, n_steps, "final student vs AR teacher, batch 1, side by side")
-        speed = measure_final_speed(ar_dir, Path(d_runs[-1]["output_dir"]), data_dir, section(cfg, "speed"),
+        speed = measure_final_speed(ar_dir, student, data_dir, section(cfg, "speed"),
                                     section(cfg, "eval"), out / "eval" / "speed.json")
         speed.pop("speed_key", None)
     timings["speed"] = time.time() - t
@@ -182,13 +210,13 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
                "timings": timings,
                "models": {"teacher": str(out / "models" / "teacher"),
                           "student": str(out / "models" / "student") if d_runs else None},
-               "stage_wall_seconds": {(warmup_label(i, n_warm) if i < n_warm else r["name"]):
-                                      (read_done(r["output_dir"]) or {}).get("wall_seconds")
-                                      for i, r in enumerate(ar_runs + d_runs)},
+               # the choices made on the selection users (valid.jsonl), with every candidate's figures
+               "selection": selection,
+               "stage_wall_seconds": {name: (read_done(r["output_dir"]) or {}).get("wall_seconds")
+                                      for name, r in run_labels(all_runs)},
                # RL stages keep their start when validation never improves; the steps show they trained
-               "stage_optimizer_steps": {(warmup_label(i, n_warm) if i < n_warm else r["name"]):
-                                         (read_done(r["output_dir"]) or {}).get("optimizer_steps")
-                                         for i, r in enumerate(ar_runs + d_runs)}}
+               "stage_optimizer_steps": {name: (read_done(r["output_dir"]) or {}).get("optimizer_steps")
+                                         for name, r in run_labels(all_runs)}}
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     return summary
 
@@ -205,39 +233,16 @@ def _link(link: Path, target: Path) -> None:
     os.replace(tmp, link)
 
 
-WARMUP_BUILD_KEYS = ("full_prompt", "random_sids", "straight", "trace_style", "relabel_last_code", "limit")
-
-
-def warmup_label(i: int, n: int) -> str:
-    return "copy_warmup" if n == 1 else f"copy_warmup_{i + 1}"
-
-
-def copy_warmup_specs(setting, data_dir: Path, seed: int) -> list[dict]:
-    """Stage specs of the `copy_warmup` setting: one phase (a dict) or several run in order (a list).
-    Each phase is an `sft` run over copy examples; its `build` key picks them (reranker/data/copy_warmup.py:
-    full_prompt, random_sids, straight = N lists, trace_style = a rule-scan style answering the real
-    prompts, relabel_last_code, limit = first N lists), the rest are sft settings. The examples go to a
-    file named after `build`, made once, so two phases never share a file by accident."""
-    from reranker.data.copy_warmup import build_copy_warmup
-
-    phases = setting if isinstance(setting, list) else [setting or {}]
-    specs = []
-    for i, phase in enumerate(phases):
-        if not isinstance(phase, dict):
-            raise ValueError(f"stages.copy_warmup[{i}]: expected a mapping of settings, got {phase!r}")
-        phase = dict(phase)
-        build = phase.pop("build", None) or {}
-        bad = sorted(set(build) - set(WARMUP_BUILD_KEYS))
-        if bad:
-            raise ValueError(f"stages.copy_warmup[{i}].build: unknown key(s) {bad}; allowed: {list(WARMUP_BUILD_KEYS)}")
-        name = "copy_warmup.jsonl" if not build else (
-            "copy_warmup-" + "-".join(f"{k}{'' if build[k] is True else build[k]}" for k in sorted(build)
-                                      if build[k]) + ".jsonl")
-        if not (data_dir / name).is_file():
-            build_copy_warmup(data_dir, out_name=name, seed=seed, **build)
-        specs.append({"name": "sft", "id": f"{i:02d}_copy_warmup",
-                      "config": {"train_file": name, "valid_file": None, **phase}})
-    return specs
+def run_labels(runs: list[dict]) -> list[tuple[str, dict]]:
+    """(label, run) per run: the run's setting name (`sft`, `copy_warmup`, ...), numbered from 1
+    where a setting ran in several phases."""
+    names = [Path(r["run_dir"]).name.split("_", 1)[-1] for r in runs]
+    seen: dict[str, int] = {}
+    out = []
+    for name, r in zip(names, runs):
+        seen[name] = seen.get(name, 0) + 1
+        out.append((name if names.count(name) == 1 else f"{name}_{seen[name]}", r))
+    return out
 
 
 def _items_file(rs) -> Path:

@@ -76,6 +76,25 @@ def data_fingerprint(data_dir) -> str:
     return h.hexdigest()
 
 
+def nested_file_fingerprints(data_dir, cfg: dict) -> dict:
+    """Content hashes of the `train_file` / `valid_file` entries below the data dir's top level:
+    `data_fingerprint` covers the top-level files every stage shares, and a file only some stages
+    read (integration/phases.py keeps copy draws in `<data>/copies/`) counts only for them."""
+    if data_dir is None:
+        return {}
+    out = {}
+    for key in ("train_file", "valid_file"):
+        value = cfg.get(key)
+        for f in value if isinstance(value, list) else [value]:
+            if isinstance(f, str) and len(Path(f).parts) > 1 and not Path(f).is_absolute():
+                path = Path(data_dir) / f
+                if path.is_file():
+                    h = hashlib.sha256()
+                    _hash_file(h, path)
+                    out[f] = h.hexdigest()
+    return out
+
+
 def _say(line: str) -> None:
     if D.is_main():
         print(line, flush=True)
@@ -104,6 +123,9 @@ def run_stage(name: str, input_dir, output_dir, data_dir=None, config: dict | No
     run_dir = Path(run_dir)
     identity = {"stage": name, "config": cfg, "seed": int(seed),
                 "input": model_fingerprint(input_dir), "data": data_fingerprint(data_dir)}
+    nested = nested_file_fingerprints(data_dir, cfg)
+    if nested:  # files below the data dir's top level that this stage reads (copy draws)
+        identity["files"] = nested
     h = config_hash(identity)
     summary = {"name": name, "output_dir": str(output_dir), "run_dir": str(run_dir), "config_hash": h}
 

@@ -24,10 +24,18 @@ def config(tmp_path_factory, tiny_catalog):
         "convert": {"block_size": 8, "decode": {"commit_rule": "prefix", "hold_eos": True}},
         "stages": {
             "copy_warmup": {"epochs": 1, "batch_size": 8},
-            "sft": {"epochs": 1, "batch_size": 8, "max_valid_examples": 8},
+            # two phases, the second on the lists mixed with a copy draw; the teacher is the better on
+            # validation of the last phase and the average of both
+            "sft": [{"epochs": 1, "batch_size": 8, "max_valid_examples": 8},
+                    {"train_file": ["train.jsonl", {"copies": {"random_sids": True, "seed": 3}}], "epochs": 1,
+                     "batch_size": 8, "max_valid_examples": 8}],
+            "choose_teacher": {"average_last": [1, 2]},
             "ar_rl": {"steps": 1, "prompts_per_step": 1, "group_size": 2, "max_valid_examples": 4,
                       "max_new_tokens": 16, "max_draw_rounds": 1},
-            "cft": {"epochs": 1, "batch_size": 8, "max_valid_examples": 8, "decode_examples": 2},
+            "cft": [{"max_steps": 2, "batch_size": 8, "max_valid_examples": 8, "decode_examples": 2},
+                    {"max_steps": 2, "batch_size": 8, "max_valid_examples": 8, "decode_examples": 2,
+                     "suffix_fraction": 0.5}],
+            "choose_student": {"average_last": [1, 2], "metric": "valid_rate", "limit": 4},
             "opd": {"max_steps": 1, "batch_size": 1, "group_size": 2, "max_new_tokens": 16, "eval_examples": 2,
                     "max_valid_examples": 4},
             "rl": {"steps": 1, "prompts_per_step": 1, "group_size": 2, "max_valid_examples": 4,
@@ -47,8 +55,17 @@ def test_pipeline_runs_every_stage_then_skips(config, capsys):
         assert 0.0 <= row["recall@1"] <= 1.0 and 0.0 <= row["valid_rate"] <= 1.0
         assert row["tokens_per_second"] > 0
     assert "retriever order" in format_summary(summary)
-    assert list(summary["stage_wall_seconds"]) == ["copy_warmup", "sft", "ar_rl", "cft", "opd", "rl"]
-    assert (Path(config["out"]) / "rerank_data" / "copy_warmup.jsonl").is_file()
+    assert list(summary["stage_wall_seconds"]) == ["copy_warmup", "sft_1", "sft_2", "ar_rl", "cft_1", "cft_2", "opd",
+                                                   "rl"]
+    assert (Path(config["out"]) / "rerank_data" / "copies" / "copy-random_sids-seed3.jsonl").is_file()
+    # the choices were made on the selection users, every candidate's figures recorded
+    sel = summary["selection"]
+    assert [c["name"] for c in sel["teacher"]["candidates"]] == ["last run", "average of the last 2"]
+    assert sel["teacher"]["split"] == "valid" and sel["student"]["n"] == 4 and sel["student"]["metric"] == "valid_rate"
+    best = max(c["valid_rate"] for c in sel["student"]["candidates"])
+    assert next(c for c in sel["student"]["candidates"] if c["name"] == sel["student"]["chosen"])["valid_rate"] == best
+    assert summary["rows"][1]["model_sha256"] == next(c["model_sha256"] for c in sel["teacher"]["candidates"]
+                                                      if c["name"] == sel["teacher"]["chosen"])
     sp = summary["speed"]
     assert sp["batch_size"] == 1 and sp["tau"] == 0.9 and sp["batch1_speedup"] > 0 and sp["repeats"] == 1
     assert "side by side at batch 1" in format_summary(summary)
@@ -77,6 +94,7 @@ def test_pipeline_runs_every_stage_then_skips(config, capsys):
     # and every evaluation and the speed run were read back, not decoded again
     assert log.count("up to date, skipped") >= 2 + len(summary["rows"]) - 1 + 1, log
     assert "eval +CFT+OPD+RL: up to date, skipped" in log and "speed: up to date, skipped" in log
+    assert "averaging" not in log and again["selection"] == summary["selection"]
     assert again["speed"] == sp
 
 
@@ -123,10 +141,11 @@ def test_pipeline_runs_on_a_dataset_without_brand_timestamps_or_titles(config, t
             assert len(parse_candidate_evidence(prompt, len(row["candidates"]))) == len(row["candidates"])
 
 
-def test_copy_warmup_phases_build_their_own_files(tmp_path):
+def test_copy_draws_and_phases_build_their_own_files(tmp_path):
     import json
 
-    from integration.pipeline import copy_warmup_specs, warmup_label
+    from integration.phases import check_choose, copy_warmup_specs, phase_specs
+    from integration.pipeline import run_labels
     from tests.reranker.data.test_copy_warmup import SIDS
 
     rows = [{"candidate_sids": SIDS, "prompt_messages": [{"role": "user", "content": "x\nRank all 10."}],
@@ -134,19 +153,50 @@ def test_copy_warmup_phases_build_their_own_files(tmp_path):
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     specs = copy_warmup_specs([{"build": {"straight": 5}, "max_steps": 7},
                                {"build": {"full_prompt": True, "random_sids": True}, "lr": 1e-3}], tmp_path, 0)
-    assert [s["id"] for s in specs] == ["00_copy_warmup", "01_copy_warmup"]
-    assert [s["config"]["train_file"] for s in specs] == ["copy_warmup-straight5.jsonl",
-                                                          "copy_warmup-full_prompt-random_sids.jsonl"]
+    assert [s["id"] for s in specs] == ["01_copy_warmup", "02_copy_warmup"]
+    assert [s["config"]["train_file"] for s in specs] == ["copies/copy-straight5.jsonl",
+                                                          "copies/copy-full_prompt-random_sids.jsonl"]
     assert specs[0]["config"]["max_steps"] == 7 and "build" not in specs[0]["config"]
-    assert len((tmp_path / "copy_warmup-straight5.jsonl").read_text().splitlines()) == 5
-    assert copy_warmup_specs({"epochs": 1}, tmp_path, 0)[0]["config"]["train_file"] == "copy_warmup.jsonl"
-    assert [warmup_label(i, 2) for i in range(2)] == ["copy_warmup_1", "copy_warmup_2"]
+    assert len((tmp_path / "copies/copy-straight5.jsonl").read_text().splitlines()) == 5
+    # copy draws live below the top level: the data fingerprint every stage shares is unchanged
+    assert not list(tmp_path.glob("copy*.jsonl"))
+    assert copy_warmup_specs({"epochs": 1}, tmp_path, 0)[0]["config"]["train_file"] == "copies/copy-default.jsonl"
+    # an sft phase mixes the real lists with a seeded draw; the same draw is one file, another seed another
+    phases = phase_specs("sft", [{"train_file": ["train.jsonl", {"copies": {"random_sids": True, "seed": 3}}]},
+                                 {"train_file": {"copies": {"random_sids": True, "seed": 3}}},
+                                 {"train_file": [{"copies": {"random_sids": True, "seed": 4}}]}], tmp_path, 0, 3)
+    assert [s["id"] for s in phases] == ["03_sft", "04_sft", "05_sft"]
+    assert phases[0]["config"]["train_file"] == ["train.jsonl", "copies/copy-random_sids-seed3.jsonl"]
+    assert phases[1]["config"]["train_file"] == "copies/copy-random_sids-seed3.jsonl"
+    a, b = (tmp_path / "copies/copy-random_sids-seed3.jsonl"), (tmp_path / "copies/copy-random_sids-seed4.jsonl")
+    assert a.read_text() != b.read_text()
+    runs = [{"run_dir": f"r/{s['id']}"} for s in specs + phases]
+    assert [n for n, _ in run_labels(runs)] == ["copy_warmup_1", "copy_warmup_2", "sft_1", "sft_2", "sft_3"]
     (spec,) = copy_warmup_specs({"build": {"random_sids": True, "limit": 2}}, tmp_path, 0)
     assert len((tmp_path / spec["config"]["train_file"]).read_text().splitlines()) == 2
-    with pytest.raises(ValueError, match=r"copy_warmup\[0\].build: unknown key\(s\) \['shuffle'\]"):
+    with pytest.raises(ValueError, match=r"stages.copy_warmup.build: unknown key\(s\) \['shuffle'\]"):
         copy_warmup_specs({"build": {"shuffle": True}}, tmp_path, 0)
     with pytest.raises(ValueError, match=r"copy_warmup\[1\]: expected a mapping"):
         copy_warmup_specs([{}, "fast"], tmp_path, 0)
+    with pytest.raises(ValueError, match=r"stages.sft\[0\].train_file\[0\]: a mapping entry must be"):
+        phase_specs("sft", [{"train_file": [{"copy": {}}]}], tmp_path, 0, 1)
+    with pytest.raises(ValueError, match=r"choose_student.average_last: expected a list"):
+        check_choose({"average_last": 2}, "choose_student")
+    with pytest.raises(ValueError, match=r"choose_teacher.metric: expected one of"):
+        check_choose({"metric": "loss"}, "choose_teacher")
+
+
+def test_a_stage_reading_a_copy_draw_is_identified_by_its_content(tmp_path):
+    from reranker.stages.pipeline import nested_file_fingerprints
+
+    (tmp_path / "copies").mkdir()
+    (tmp_path / "copies" / "c.jsonl").write_text("a\n")
+    cfg = {"train_file": ["train.jsonl", "copies/c.jsonl"], "valid_file": "valid.jsonl"}
+    before = nested_file_fingerprints(tmp_path, cfg)
+    assert list(before) == ["copies/c.jsonl"]
+    (tmp_path / "copies" / "c.jsonl").write_text("b\n")
+    assert nested_file_fingerprints(tmp_path, cfg) != before
+    assert nested_file_fingerprints(tmp_path, {"train_file": "train.jsonl"}) == {}
 
 
 def _free_port() -> int:

@@ -1,0 +1,144 @@
+"""The recipe's training chains as data: phases, copy draws, and the validation pick of a model soup.
+
+A stage setting in `stages:` is one mapping or a list of them (phases run in order, each starting
+from the one before). A phase's `train_file` may name, beside files of the data directory,
+
+    {copies: {trace_style: scan_brand, random_sids: true, relabel_last_code: true, seed: 14}}
+
+a copy draw (reranker/data/copy_warmup.py), built once into `<data>/copies/` under a name made of
+its settings, so two phases asking for the same draw share one file and two draws never collide.
+Copy files live below the data directory's top level, so adding a draw for a later phase does not
+change the data fingerprint of the stages that ran before it (reranker/stages/pipeline.py hashes
+each copy file a stage reads into that stage's identity instead).
+
+`choose_teacher` / `choose_student` ({average_last: [1, 2, 4], metric: recall@1}): the candidates are
+the last phase's model and the uniform weight averages of the last k phases' models; each is
+evaluated on the held-out selection users (valid.jsonl, never the test split) and the best by
+`metric` (then valid rate, then the fewer members) is what the next stage starts from.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+COPIES_DIR = "copies"
+COPY_BUILD_KEYS = ("full_prompt", "random_sids", "straight", "trace_style", "relabel_last_code", "limit", "seed")
+CHOOSE_KEYS = ("average_last", "metric", "limit")
+CHOOSE_METRICS = ("recall@1", "ndcg@3", "valid_rate")
+
+
+def copy_file(build: dict, data_dir: Path, seed: int, where: str) -> str:
+    """The data-dir-relative name of the copy draw `build` (built on first use); `where` names the
+    setting in errors. `seed` in `build` picks the draw (default: the run's seed)."""
+    from reranker.data.copy_warmup import build_copy_warmup
+
+    if not isinstance(build, dict):
+        raise ValueError(f"{where}: expected a mapping of copy settings, got {build!r}")
+    bad = sorted(set(build) - set(COPY_BUILD_KEYS))
+    if bad:
+        raise ValueError(f"{where}: unknown key(s) {bad}; allowed: {list(COPY_BUILD_KEYS)}")
+    parts = [f"{k}{'' if build[k] is True else build[k]}" for k in sorted(build) if build[k] not in (None, False)]
+    name = f"{COPIES_DIR}/copy-" + ("-".join(parts) or "default") + ".jsonl"
+    if not (data_dir / name).is_file():
+        (data_dir / COPIES_DIR).mkdir(parents=True, exist_ok=True)
+        opts = {k: v for k, v in build.items() if k != "seed"}
+        build_copy_warmup(data_dir, out_path=data_dir / name, seed=int(build.get("seed", seed)), **opts)
+    return name
+
+
+def _train_files(value, data_dir: Path, seed: int, where: str):
+    """`train_file` with every {copies: {...}} entry replaced by its built file's name."""
+    entries = value if isinstance(value, list) else [value]
+    out = []
+    for j, f in enumerate(entries):
+        if isinstance(f, dict):
+            if set(f) != {"copies"}:
+                raise ValueError(f"{where}.train_file[{j}]: a mapping entry must be {{copies: {{...}}}}, got {f!r}")
+            f = copy_file(f["copies"] or {}, data_dir, seed, f"{where}.train_file[{j}].copies")
+        out.append(f)
+    return out if isinstance(value, list) else out[0]
+
+
+def phase_specs(stage: str, setting, data_dir: Path, seed: int, first_index: int, label: str | None = None) -> list[dict]:
+    """Run specs (reranker.stages.pipeline.run_pipeline) of one stage setting: a mapping, or a list of
+    phases. Run dirs are numbered from `first_index` so chains built in several calls never share one."""
+    label = label or stage
+    phases = setting if isinstance(setting, list) else [setting or {}]
+    specs = []
+    for i, phase in enumerate(phases):
+        where = f"stages.{label}" + (f"[{i}]" if isinstance(setting, list) else "")
+        if not isinstance(phase, dict):
+            raise ValueError(f"{where}: expected a mapping of settings, got {phase!r}")
+        conf = dict(phase)
+        if "train_file" in conf:
+            conf["train_file"] = _train_files(conf["train_file"], data_dir, seed, where)
+        specs.append({"name": stage, "id": f"{first_index + i:02d}_{label}", "config": conf})
+    return specs
+
+
+def copy_warmup_specs(setting, data_dir: Path, seed: int, first_index: int = 1) -> list[dict]:
+    """`copy_warmup`: sft phases over copy examples; each phase's `build` picks its draw."""
+    phases = setting if isinstance(setting, list) else [setting or {}]
+    out = []
+    for i, phase in enumerate(phases):
+        where = "stages.copy_warmup" + (f"[{i}]" if isinstance(setting, list) else "")
+        if not isinstance(phase, dict):
+            raise ValueError(f"{where}: expected a mapping of settings, got {phase!r}")
+        phase = dict(phase)
+        name = copy_file(phase.pop("build", None) or {}, data_dir, seed, f"{where}.build")
+        out.append({"train_file": name, "valid_file": None, **phase})
+    return phase_specs("sft", out, data_dir, seed, first_index, label="copy_warmup")
+
+
+def check_choose(setting, where: str) -> dict:
+    if not isinstance(setting, dict):
+        raise ValueError(f"stages.{where}: expected a mapping like {{average_last: [1, 2]}}, got {setting!r}")
+    bad = sorted(set(setting) - set(CHOOSE_KEYS))
+    if bad:
+        raise ValueError(f"stages.{where}: unknown key(s) {bad}; allowed: {list(CHOOSE_KEYS)}")
+    ks = setting.get("average_last", [1])
+    if not (isinstance(ks, list) and ks and all(isinstance(k, int) and k >= 1 for k in ks)):
+        raise ValueError(f"stages.{where}.average_last: expected a list of member counts >= 1, got {ks!r}")
+    metric = setting.get("metric", "recall@1")
+    if metric not in CHOOSE_METRICS:
+        raise ValueError(f"stages.{where}.metric: expected one of {list(CHOOSE_METRICS)}, got {metric!r}")
+    return {"average_last": sorted(set(ks)), "metric": metric, "limit": setting.get("limit")}
+
+
+def choose_on_validation(where: str, setting, runs: list[dict], data_dir: Path, ecfg: dict, out: Path,
+                         decoder: str) -> tuple[Path, dict]:
+    """The model the chain continues from (see the module docstring) and the record of the choice.
+    Averages go to `<out>/models/<where>-avg<k>`; the candidates' reports to `<out>/selection/<where>/`."""
+    from reranker.model import average_models
+    from reranker.stages.pipeline import model_fingerprint
+
+    from .pipeline import _done, _hash, _mark, evaluate_rows
+
+    c = check_choose(setting, where)
+    outputs = [Path(r["output_dir"]) for r in runs]
+    candidates = []
+    for k in c["average_last"]:
+        if k > len(outputs):
+            raise ValueError(f"stages.{where}.average_last: {k} members asked, the chain has {len(outputs)} runs")
+        if k == 1:
+            candidates.append(("last run", outputs[-1]))
+            continue
+        members = outputs[-k:]
+        avg = out / "models" / f"{where}-avg{k}"
+        h = _hash("average", [model_fingerprint(m) for m in members])
+        if not _done(avg / ".average_done.json", h):
+            print(f"  {where}: averaging the last {k} runs", flush=True)
+            average_models(members, avg)
+            _mark(avg / ".average_done.json", h, members=[str(m) for m in members])
+        candidates.append((f"average of the last {k}", avg))
+    ecfg = {**ecfg, "split": "valid", "limit": c["limit"]}
+    reps = evaluate_rows([(name, d, decoder) for name, d in candidates], data_dir, ecfg, out / "selection" / where)
+    order = [(r[c["metric"]], r["valid_rate"], -i) for i, r in enumerate(reps)]
+    best = max(range(len(reps)), key=order.__getitem__)
+    record = {"metric": c["metric"], "split": "valid", "n": reps[0]["n"], "chosen": candidates[best][0],
+              "model": str(candidates[best][1]),
+              "candidates": [{"name": n, "model_sha256": r["model_sha256"],
+                              **{m: r[m] for m in ("recall@1", "ndcg@3", "valid_rate")}}
+                             for (n, _), r in zip(candidates, reps)]}
+    print(f"  {where}: {record['chosen']} chosen on {record['n']} validation lists "
+          + ", ".join(f"{x['name']} {x[c['metric']]:.4f}" for x in record["candidates"]), flush=True)
+    return candidates[best][1], record
