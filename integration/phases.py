@@ -18,6 +18,8 @@ evaluated on the held-out selection users (valid.jsonl, never the test split) an
 """
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 COPIES_DIR = "copies"
@@ -116,6 +118,7 @@ def choose_on_validation(where: str, setting, runs: list[dict], data_dir: Path, 
     c = check_choose(setting, where)
     outputs = [Path(r["output_dir"]) for r in runs]
     candidates = []
+    seconds = 0.0  # the averaging and the candidates' evaluations, as recorded with their outputs
     for k in c["average_last"]:
         if k > len(outputs):
             raise ValueError(f"stages.{where}.average_last: {k} members asked, the chain has {len(outputs)} runs")
@@ -127,14 +130,18 @@ def choose_on_validation(where: str, setting, runs: list[dict], data_dir: Path, 
         h = _hash("average", [model_fingerprint(m) for m in members])
         if not _done(avg / ".average_done.json", h):
             print(f"  {where}: averaging the last {k} runs", flush=True)
+            t0 = time.time()
             average_models(members, avg)
-            _mark(avg / ".average_done.json", h, members=[str(m) for m in members])
+            _mark(avg / ".average_done.json", h, members=[str(m) for m in members], seconds=time.time() - t0)
+        seconds += json.loads((avg / ".average_done.json").read_text()).get("seconds") or 0.0
         candidates.append((f"average of the last {k}", avg))
     ecfg = {**ecfg, "split": "valid", "limit": c["limit"]}
     reps = evaluate_rows([(name, d, decoder) for name, d in candidates], data_dir, ecfg, out / "selection" / where)
     order = [(r[c["metric"]], r["valid_rate"], -i) for i, r in enumerate(reps)]
     best = max(range(len(reps)), key=order.__getitem__)
+    seconds += sum(r.get("wall_seconds") or 0.0 for r in reps if not r.get("same_weights_as"))
     record = {"metric": c["metric"], "split": "valid", "n": reps[0]["n"], "chosen": candidates[best][0],
+              "seconds": seconds,
               "model": str(candidates[best][1]),
               "candidates": [{"name": n, "model_sha256": r["model_sha256"],
                               **{m: r[m] for m in ("recall@1", "ndcg@3", "valid_rate")}}

@@ -94,7 +94,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
         build_rerank_data(rs.out, items_path, data_dir, seed=seed, **dcfg)
         baselines = run_baselines(data_dir, n_boot=int(section(cfg, "eval").get("n_boot", 2000)), seed=seed)
         atomic_write_text(data_dir / "baselines.json", json.dumps(baselines, indent=2))
-        _mark(data_dir / ".pipeline_done.json", h_data)
+        _mark(data_dir / ".pipeline_done.json", h_data, seconds=time.time() - t)
     timings["data"] = time.time() - t
     if only_until == "data":
         return {"retrieval": retrieval}
@@ -141,8 +141,9 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     h_conv = _hash("convert", model_fingerprint(ar_dir), block, decode)
     if not _done(out / "models" / ".naive_done.json", h_conv):
         _step("convert", 4, n_steps, f"AR -> block diffusion, B = {block}")
+        t_conv = time.time()
         convert_to_diffusion(ar_dir, naive_dir, block_size=block, decode=decode)
-        _mark(out / "models" / ".naive_done.json", h_conv)
+        _mark(out / "models" / ".naive_done.json", h_conv, seconds=time.time() - t_conv)
     _step("diffusion", 5, n_steps, " -> ".join(x for x in ("cft", "choose_student", "opd", "rl") if x in stages))
     d_runs = []
     student = naive_dir
@@ -194,9 +195,13 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
         speed.pop("speed_key", None)
     timings["speed"] = time.time() - t
 
+    chain = [ar_runs, ("choose_teacher", selection.get("teacher")), rl_runs, ("convert", None),
+             *[r["runs"] for r in d_runs if r["name"] == "cft"], ("choose_student", selection.get("student")),
+             *[r["runs"] for r in d_runs if r["name"] != "cft"]]
+    stage_seconds = recorded_seconds(out, chain, table, speed)
     keep = ("n", "recall@1", "recall@3", "ndcg@3", "ndcg@5", "valid_rate", "fallback_rate", "copy_order_rate",
             "tokens_per_second", "forward_passes_per_token", "mean_generated_tokens", "speedup_vs_ar", "vs_ar",
-            "vs_retriever", "failures", "decoder", "model", "model_sha256")
+            "vs_retriever", "failures", "decoder", "model", "model_sha256", "same_weights_as")
     rows = [{"name": "retriever order", "n": table[0]["n"], **table[0]["retriever"]}] if table else []
     rows += [{"name": rep["label"], **{k: rep.get(k) for k in keep}} for rep in table]
     baselines = json.loads((data_dir / "baselines.json").read_text())
@@ -212,6 +217,10 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
                           "student": str(out / "models" / "student") if d_runs else None},
                # the choices made on the selection users (valid.jsonl), with every candidate's figures
                "selection": selection,
+               # each step's seconds as recorded with its output (a step a resumed run skipped keeps the
+               # seconds of the run that made it); total_seconds is their sum
+               "stage_seconds": stage_seconds,
+               "total_seconds": sum(v for v in stage_seconds.values() if v),
                "stage_wall_seconds": {name: (read_done(r["output_dir"]) or {}).get("wall_seconds")
                                       for name, r in run_labels(all_runs)},
                # RL stages keep their start when validation never improves; the steps show they trained
@@ -231,6 +240,78 @@ def _link(link: Path, target: Path) -> None:
         tmp.unlink()
     os.symlink(os.path.relpath(Path(target).resolve(), link.parent.resolve()), tmp)
     os.replace(tmp, link)
+
+
+def start_invocation(out: Path, argv: list[str]) -> dict:
+    """Append this call to `<out>/invocations.json` (a run resumed after a kill has several; one
+    that never finished has no `finished`): the commit, the start and the machine's load."""
+    import datetime as dt
+    import os
+
+    from candidate_gen.files import current_commit
+
+    inv = {"commit": current_commit(), "argv": argv, "started": dt.datetime.now(dt.timezone.utc).isoformat(
+        timespec="seconds"), "loadavg_start": list(os.getloadavg())}
+    _save_invocations(out, _invocations(out) + [inv])
+    return inv
+
+
+def finish_invocation(out: Path, inv: dict, seconds: float) -> list[dict]:
+    import datetime as dt
+    import os
+
+    done = {**inv, "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "seconds": seconds, "loadavg_end": list(os.getloadavg())}
+    invs = [done if i == inv else i for i in _invocations(out)]
+    _save_invocations(out, invs)
+    return invs
+
+
+def _invocations(out: Path) -> list[dict]:
+    path = Path(out) / "invocations.json"
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+def _save_invocations(out: Path, invs: list[dict]) -> None:
+    Path(out).mkdir(parents=True, exist_ok=True)
+    atomic_write_text(Path(out) / "invocations.json", json.dumps(invs, indent=2))
+
+
+def machine_info() -> dict:
+    import os
+    import platform
+
+    import torch
+
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
+
+
+def recorded_seconds(out: Path, chain: list, table: list[dict], speed: dict | None) -> dict:
+    """{step: seconds}, in the order the steps ran, from what each step wrote beside its output:
+    retrieval's metrics, the data and conversion markers, each training run's stage_done.json, each
+    choice's record (its averaging and evaluations), each evaluation report (a report reused for
+    identical weights counts 0) and the speed run. `chain` lists the training part in order: lists of
+    runs, and (name, selection record or None) for the steps between them."""
+    from reranker.stages.base import read_done
+
+    def marker(path: Path):
+        return json.loads(path.read_text()).get("seconds") if path.is_file() else None
+
+    ret = out / "retrieval" / "metrics.json"
+    secs = {"retrieval": json.loads(ret.read_text()).get("wall_seconds") if ret.is_file() else None,
+            "data": marker(out / "rerank_data" / ".pipeline_done.json")}
+    for part in chain:
+        if isinstance(part, tuple):
+            name, record = part
+            secs[name] = (marker(out / "models" / ".naive_done.json") if name == "convert"
+                          else (record or {}).get("seconds"))
+        else:
+            secs.update({name: (read_done(r["output_dir"]) or {}).get("wall_seconds") for name, r in run_labels(part)})
+    secs["eval"] = sum(r.get("wall_seconds") or 0.0 for r in table if not r.get("same_weights_as"))
+    secs["speed"] = (speed or {}).get("seconds")
+    return {k: v for k, v in secs.items() if v is not None}
 
 
 def run_labels(runs: list[dict]) -> list[tuple[str, dict]]:
@@ -337,6 +418,7 @@ def measure_final_speed(ar_dir: Path, diff_dir: Path, data_dir: Path, scfg: dict
         if cached.get("speed_key") == key:
             print("  speed: up to date, skipped", flush=True)
             return cached
+    t0 = time.time()
     examples = load_examples(data_dir / f"{ecfg.get('split', 'test')}.jsonl", int(scfg.get("n_prompts", 8)))
     engine_ar, engine_diff = RerankEngine.load(ar_dir, data_dir), RerankEngine.load(diff_dir, data_dir)
     rep = speed_benchmark_from_engines(
@@ -345,7 +427,7 @@ def measure_final_speed(ar_dir: Path, diff_dir: Path, data_dir: Path, scfg: dict
         warmup=int(scfg.get("warmup", 1)), threads=scfg.get("threads"), lengths=(), forward_blocks=(),
         commit_rule=opts.commit_rule, hold_eos=opts.hold_eos)
     point = rep["batches"][0]["points"][0]
-    out = {"batch1_speedup": point["speedup"], "speedup_paired": point["speedup_paired"], "tau": opts.tau,
+    out = {"seconds": time.time() - t0, "batch1_speedup": point["speedup"], "speedup_paired": point["speedup_paired"], "tau": opts.tau,
            "batch_size": 1, "commit_rule": opts.commit_rule, "hold_eos": opts.hold_eos,
            "ar_tokens_per_second": rep["batches"][0]["ar"]["tokens_per_second"]["median"],
            "diffusion_tokens_per_second": point["tokens_per_second"]["median"],
@@ -372,8 +454,10 @@ def format_summary(summary: dict) -> str:
         ci = r.get("vs_ar", {}) or {}
         ci = (f"  {ci['recall@1']['diff']:+.4f} [{ci['recall@1']['ci_low']:+.4f}, {ci['recall@1']['ci_high']:+.4f}]"
               if ci.get("recall@1") else "")
+        kept = (f"  (kept its start on validation: the weights of {r['same_weights_as']})"
+                if r.get("same_weights_as") else "")
         lines.append(f"{r['name']:{w}s} {r['recall@1']:7.4f} {r['recall@3']:7.4f} {r['ndcg@3']:7.4f} {valid} {tps} "
-                     f"{sp:>8s}{ci}")
+                     f"{sp:>8s}{ci}{kept}")
     steps = summary.get("stage_optimizer_steps") or {}
     if steps:
         lines.append("optimizer steps: " + ", ".join(f"{k} {v}" for k, v in steps.items()))

@@ -16,11 +16,23 @@ def cmd_pipeline(args) -> int:
 
     from ..pipeline import format_summary, run_full_pipeline
 
+    import sys
+
+    from ..pipeline import finish_invocation, machine_info, start_invocation
+
     t0 = time.time()
     cfg = load_config(args.config)
     if getattr(args, "out", None):
         cfg["out"] = args.out
+    inv = start_invocation(Path(cfg["out"]), sys.argv[1:])
     summary = run_full_pipeline(cfg, data_override=getattr(args, "data", None), only_until=getattr(args, "until", None))
+    invocations = finish_invocation(Path(cfg["out"]), inv, time.time() - t0)
+    if getattr(args, "record", None) and not getattr(args, "until", None):
+        # the run's cost: each step's seconds as recorded with its output, and every call that made it
+        write_result(args.record, {"name": cfg.get("name"), "stage_seconds": summary["stage_seconds"],
+                                   "total_seconds": summary["total_seconds"], "machine": machine_info(),
+                                   "resumed": len(invocations) > 1, "invocations": invocations},
+                     command_line())
     if getattr(args, "until", None):
         print(f"stopped after {args.until!r}: {cfg['out']}  ({time.time() - t0:.0f} s)")
         return 0
@@ -49,6 +61,8 @@ def add_pipeline(sub) -> None:
                     "and a later run with the same --out resumes it)")
     pl.add_argument("--until", choices=["data"], help="stop after this step (the rest runs on a later call)")
     pl.add_argument("--results", help="also write the summary to this docs/results JSON file")
+    pl.add_argument("--record", help="also write the run's cost (seconds per step, total, machine, load, each "
+                    "call that made it) to this docs/results JSON file")
     pl.set_defaults(func=cmd_pipeline)
 
 

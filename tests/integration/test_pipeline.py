@@ -58,6 +58,11 @@ def test_pipeline_runs_every_stage_then_skips(config, capsys):
     assert list(summary["stage_wall_seconds"]) == ["copy_warmup", "sft_1", "sft_2", "ar_rl", "cft_1", "cft_2", "opd",
                                                    "rl"]
     assert (Path(config["out"]) / "rerank_data" / "copies" / "copy-random_sids-seed3.jsonl").is_file()
+    assert list(summary["stage_seconds"]) == ["retrieval", "data", "copy_warmup", "sft_1", "sft_2", "choose_teacher",
+                                              "ar_rl", "convert", "cft_1", "cft_2", "choose_student", "opd", "rl",
+                                              "eval", "speed"]
+    assert all(v > 0 for v in summary["stage_seconds"].values())
+    assert summary["total_seconds"] == pytest.approx(sum(summary["stage_seconds"].values()))
     # the choices were made on the selection users, every candidate's figures recorded
     sel = summary["selection"]
     assert [c["name"] for c in sel["teacher"]["candidates"]] == ["last run", "average of the last 2"]
@@ -95,6 +100,8 @@ def test_pipeline_runs_every_stage_then_skips(config, capsys):
     assert log.count("up to date, skipped") >= 2 + len(summary["rows"]) - 1 + 1, log
     assert "eval +CFT+OPD+RL: up to date, skipped" in log and "speed: up to date, skipped" in log
     assert "averaging" not in log and again["selection"] == summary["selection"]
+    # a skipped step keeps the seconds recorded by the run that made it
+    assert again["stage_seconds"] == summary["stage_seconds"]
     assert again["speed"] == sp
 
 
