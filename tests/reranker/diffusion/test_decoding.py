@@ -197,3 +197,29 @@ def test_prefix_rule_commits_left_to_right():
 
     with pytest.raises(ValueError, match="commit_rule: must be one of"):
         DecodeOptions(decoder="diffusion", commit_rule="nope").validate()
+
+
+@pytest.mark.parametrize("rule,hold,tau,cap", [("confidence", False, 0.3, None), ("prefix", True, 0.3, None),
+                                               ("prefix", False, 0.6, 2), ("confidence", True, 1.1, None)])
+def test_independent_rows_decode_what_lockstep_decodes(rule, hold, tau, cap):
+    """Rows that move through their blocks independently get the tokens, trajectories (the record
+    OPD and RL replay) and steps per block of the lockstep decoder, which gives each row what it gets
+    alone; with a frequent EOS rows end in different blocks, so rows leave mid-batch."""
+    from reranker.diffusion.independent_decoder import diffusion_decode_independent
+
+    model, prompts = model_for("sdpa"), prompts_for(4, lens=(5, 9, 1, 7, 3, 11))
+    eos = frequent_token(model, prompts)
+    kw = dict(tau=tau, commit_rule=rule, hold_eos=hold, max_steps_per_block=cap)
+    lock = diffusion_decode(model, prompts, 19, 4, MASK, eos, **kw)
+    ind = diffusion_decode_independent(model, prompts, 19, 4, MASK, eos, **kw)
+    assert ind.tokens == lock.tokens
+    assert len({len(t) for t in ind.tokens}) > 1  # rows ended at different lengths
+    assert ind.steps_per_block == lock.steps_per_block
+    for a, b in zip(ind.trajectories, lock.trajectories):
+        assert a.length == b.length and torch.equal(a.tokens, b.tokens) and torch.equal(a.steps, b.steps)
+        assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
+    # no row waits: the batch takes as many steps as its slowest row in all, not the slowest per block
+    assert ind.n_steps == max(sum(spb) for spb in ind.steps_per_block) <= lock.n_steps
+    assert ind.n_forward == 1 + ind.n_steps
+    alone = [diffusion_decode_independent(model, [p], 19, 4, MASK, eos, **kw).tokens[0] for p in prompts]
+    assert alone == ind.tokens
