@@ -38,12 +38,14 @@ def copy_file(build: dict, data_dir: Path, seed: int, where: str) -> str:
     bad = sorted(set(build) - set(COPY_BUILD_KEYS))
     if bad:
         raise ValueError(f"{where}: unknown key(s) {bad}; allowed: {list(COPY_BUILD_KEYS)}")
-    parts = [f"{k}{'' if build[k] is True else build[k]}" for k in sorted(build) if build[k] not in (None, False)]
-    name = f"{COPIES_DIR}/copy-" + ("-".join(parts) or "default") + ".jsonl"
+    build = {**build, "seed": int(build["seed"] if build.get("seed") is not None else seed)}  # always named
+    parts = [f"{k}{'' if build[k] is True else build[k]}" for k in sorted(build)
+             if build[k] is not None and build[k] is not False]
+    name = f"{COPIES_DIR}/copy-" + "-".join(parts) + ".jsonl"
     if not (data_dir / name).is_file():
         (data_dir / COPIES_DIR).mkdir(parents=True, exist_ok=True)
         opts = {k: v for k, v in build.items() if k != "seed"}
-        build_copy_warmup(data_dir, out_path=data_dir / name, seed=int(build.get("seed", seed)), **opts)
+        build_copy_warmup(data_dir, out_path=data_dir / name, seed=build["seed"], **opts)
     return name
 
 
@@ -60,17 +62,21 @@ def _train_files(value, data_dir: Path, seed: int, where: str):
     return out if isinstance(value, list) else out[0]
 
 
-def phase_specs(stage: str, setting, data_dir: Path, seed: int, first_index: int, label: str | None = None) -> list[dict]:
+def phase_specs(stage: str, setting, data_dir: Path, seed: int, first_index: int, label: str | None = None,
+                defaults: dict | None = None) -> list[dict]:
     """Run specs (reranker.stages.pipeline.run_pipeline) of one stage setting: a mapping, or a list of
-    phases. Run dirs are numbered from `first_index` so chains built in several calls never share one."""
+    phases; `defaults` fill what a phase leaves out. Run dirs are numbered from `first_index` so
+    chains built in several calls never share one."""
     label = label or stage
     phases = setting if isinstance(setting, list) else [setting or {}]
+    if not phases:
+        raise ValueError(f"stages.{label}: an empty list of phases (leave the setting out to skip the stage)")
     specs = []
     for i, phase in enumerate(phases):
         where = f"stages.{label}" + (f"[{i}]" if isinstance(setting, list) else "")
         if not isinstance(phase, dict):
             raise ValueError(f"{where}: expected a mapping of settings, got {phase!r}")
-        conf = dict(phase)
+        conf = {**(defaults or {}), **phase}
         if "train_file" in conf:
             conf["train_file"] = _train_files(conf["train_file"], data_dir, seed, where)
         specs.append({"name": stage, "id": f"{first_index + i:02d}_{label}", "config": conf})

@@ -86,7 +86,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     dcfg = dict(section(cfg, "rerank_data"))
     data_dir = out / "rerank_data"
     items_path = dcfg.pop("items_path", None) or _items_file(rs)
-    h_data = _hash("data", h_ret, dcfg, str(items_path), seed)
+    h_data = _hash("data", h_ret, dcfg, file_sha256(items_path), seed)
     if _done(data_dir / ".pipeline_done.json", h_data):
         _step("data", 2, n_steps, "up to date, skipped")
     else:
@@ -158,12 +158,10 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     n_d = sum(len(r["runs"]) for r in d_runs)
     for s in ("opd", "rl"):
         if s in stages:
-            conf = stages[s]
-            if s == "opd":  # OPD distils from the final teacher unless told otherwise
-                conf = [{"teacher": str(ar_dir), **c} for c in conf] if isinstance(conf, list) else \
-                    {"teacher": str(ar_dir), **(conf or {})}
-            runs = run_pipeline(phase_specs(s, conf, data_dir, seed, n_d + 1), student, out / "runs" / "diffusion",
-                                data_dir, seed=seed)
+            # OPD distils from the final teacher unless told otherwise
+            specs = phase_specs(s, stages[s], data_dir, seed, n_d + 1,
+                                defaults={"teacher": str(ar_dir)} if s == "opd" else None)
+            runs = run_pipeline(specs, student, out / "runs" / "diffusion", data_dir, seed=seed)
             n_d += len(runs)
             student = Path(runs[-1]["output_dir"])
             d_runs.append({"name": s, "output_dir": str(student), "runs": runs})

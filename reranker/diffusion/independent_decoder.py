@@ -12,11 +12,14 @@ A row entering a new block writes its finished block's clean window into the cac
 forward as its first noisy window (as the lockstep decoder does). Those B cache columns are appended
 for every row; for the rows that had no block to write they are padding (invalid keys). Greedy
 decoding gives each row the tokens it gets decoded alone (a test), and the same trajectory record,
-so OPD and RL can replay it.
+so OPD and RL can replay it. Sampled decoding draws in another order than the lockstep decoder,
+so the two agree in distribution there, not draw for draw.
 """
 import math
 
 import torch
+
+from reranker.decoding import DEFAULT_COMMIT_RULE, DEFAULT_TAU
 
 from .forward import check_commit_rule, clock, commit_confident, crop, forward, pick_tokens, select_rows
 from .masks import block_causal_mask, left_pad
@@ -59,8 +62,8 @@ def ragged_block_step(model, cache, cache_blk, cache_valid, window, window_pos, 
 
 @torch.no_grad()
 def diffusion_decode_independent(model, prompts, max_new_tokens, block_size, mask_token_id, eos_token_id,
-                                 pad_token_id=0, tau=0.9, temperature=0.0, max_steps_per_block=None,
-                                 generator=None, commit_rule="confidence", hold_eos=False):
+                                 pad_token_id=0, tau=DEFAULT_TAU, temperature=0.0, max_steps_per_block=None,
+                                 generator=None, commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False):
     """diffusion_decode's contract (arguments, commit rules, EOS hold, DiffusionResult), rows advancing
     independently. Returns a DiffusionResult."""
     from .diffusion_decoder import DiffusionResult, Trajectory, prefill

@@ -70,10 +70,25 @@ def data_fingerprint(data_dir) -> str:
     data_dir = Path(data_dir)
     h = hashlib.sha256()
     for p in sorted(data_dir.glob("*.json*")):
-        if p.is_file() and p.suffix in (".jsonl", ".json"):
+        # dotfiles are bookkeeping (the pipeline's done-marker records a wall time), not data
+        if p.is_file() and p.suffix in (".jsonl", ".json") and not p.name.startswith("."):
             h.update(p.name.encode() + b"\0")
             _hash_file(h, p)
     return h.hexdigest()
+
+
+def stage_identity(name: str, cfg: dict, seed: int, input_dir, data_dir) -> dict:
+    """What a stage's hash is made of: its name, merged config, seed, input model and data."""
+    hashed = dict(cfg)
+    if isinstance(cfg.get("teacher"), str) and cfg["teacher"]:
+        # a teacher model (OPD) counts by what it is, not by how its path was spelled
+        hashed["teacher"] = model_fingerprint(cfg["teacher"])
+    identity = {"stage": name, "config": hashed, "seed": int(seed),
+                "input": model_fingerprint(input_dir), "data": data_fingerprint(data_dir)}
+    nested = nested_file_fingerprints(data_dir, cfg)
+    if nested:  # files below the data dir's top level that this stage reads (copy draws)
+        identity["files"] = nested
+    return identity
 
 
 def nested_file_fingerprints(data_dir, cfg: dict) -> dict:
@@ -121,11 +136,7 @@ def run_stage(name: str, input_dir, output_dir, data_dir=None, config: dict | No
     if run_dir is None:
         run_dir = Path(runs_dir) / name if runs_dir is not None else output_dir.with_name(output_dir.name + ".run")
     run_dir = Path(run_dir)
-    identity = {"stage": name, "config": cfg, "seed": int(seed),
-                "input": model_fingerprint(input_dir), "data": data_fingerprint(data_dir)}
-    nested = nested_file_fingerprints(data_dir, cfg)
-    if nested:  # files below the data dir's top level that this stage reads (copy draws)
-        identity["files"] = nested
+    identity = stage_identity(name, cfg, seed, input_dir, data_dir)
     h = config_hash(identity)
     summary = {"name": name, "output_dir": str(output_dir), "run_dir": str(run_dir), "config_hash": h}
 

@@ -161,13 +161,16 @@ def test_copy_draws_and_phases_build_their_own_files(tmp_path):
     specs = copy_warmup_specs([{"build": {"straight": 5}, "max_steps": 7},
                                {"build": {"full_prompt": True, "random_sids": True}, "lr": 1e-3}], tmp_path, 0)
     assert [s["id"] for s in specs] == ["01_copy_warmup", "02_copy_warmup"]
-    assert [s["config"]["train_file"] for s in specs] == ["copies/copy-straight5.jsonl",
-                                                          "copies/copy-full_prompt-random_sids.jsonl"]
+    assert [s["config"]["train_file"] for s in specs] == ["copies/copy-seed0-straight5.jsonl",
+                                                          "copies/copy-full_prompt-random_sids-seed0.jsonl"]
     assert specs[0]["config"]["max_steps"] == 7 and "build" not in specs[0]["config"]
-    assert len((tmp_path / "copies/copy-straight5.jsonl").read_text().splitlines()) == 5
+    assert len((tmp_path / "copies/copy-seed0-straight5.jsonl").read_text().splitlines()) == 5
     # copy draws live below the top level: the data fingerprint every stage shares is unchanged
     assert not list(tmp_path.glob("copy*.jsonl"))
-    assert copy_warmup_specs({"epochs": 1}, tmp_path, 0)[0]["config"]["train_file"] == "copies/copy-default.jsonl"
+    assert copy_warmup_specs({"epochs": 1}, tmp_path, 7)[0]["config"]["train_file"] == "copies/copy-seed7.jsonl"
+    # seed 0 is a seed, not "no seed": a draw named without one would take the run's
+    assert phase_specs("sft", {"train_file": {"copies": {"seed": 0}}}, tmp_path, 5, 1)[0]["config"][
+        "train_file"] == "copies/copy-seed0.jsonl"
     # an sft phase mixes the real lists with a seeded draw; the same draw is one file, another seed another
     phases = phase_specs("sft", [{"train_file": ["train.jsonl", {"copies": {"random_sids": True, "seed": 3}}]},
                                  {"train_file": {"copies": {"random_sids": True, "seed": 3}}},
@@ -403,3 +406,28 @@ def test_a_model_outside_a_bundle_needs_data(tmp_path):
     (tmp_path / "bundle" / "release.json").write_text("{}")
     assert RerankEngine.data_dir_for(tmp_path / "bundle" / "student") == (tmp_path / "bundle").resolve()
     assert RerankEngine.data_dir_for(tmp_path / "bundle" / "student", "elsewhere") == Path("elsewhere")
+
+
+def test_a_teacher_counts_by_its_weights_and_bookkeeping_files_are_not_data(tmp_path):
+    """Two spellings of one teacher path give one stage identity (a resumed run may name its --out
+    another way), and the data fingerprint ignores dotfiles (the pipeline's done-marker)."""
+    import os
+
+    from reranker.stages.pipeline import data_fingerprint, stage_identity
+
+    teacher = tmp_path / "out" / "teacher"
+    teacher.mkdir(parents=True)
+    (teacher / "config.json").write_text("{}")
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "config.json").write_text("{}")
+    other = os.path.relpath(teacher, os.getcwd())
+    a = stage_identity("opd", {"teacher": str(teacher)}, 0, tmp_path / "in", None)
+    assert a == stage_identity("opd", {"teacher": other}, 0, tmp_path / "in", None)
+    (teacher / "model.safetensors").write_bytes(b"w")
+    assert a != stage_identity("opd", {"teacher": str(teacher)}, 0, tmp_path / "in", None)
+    (tmp_path / "train.jsonl").write_text("{}\n")
+    before = data_fingerprint(tmp_path)
+    (tmp_path / ".pipeline_done.json").write_text('{"seconds": 3.0}')
+    assert data_fingerprint(tmp_path) == before
+    (tmp_path / "valid.jsonl").write_text("{}\n")
+    assert data_fingerprint(tmp_path) != before
