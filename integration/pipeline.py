@@ -306,10 +306,19 @@ def recorded_seconds(out: Path, chain: list, table: list[dict], speed: dict | No
             secs[name] = (marker(out / "models" / ".naive_done.json") if name == "convert"
                           else (record or {}).get("seconds"))
         else:
-            secs.update({name: (read_done(r["output_dir"]) or {}).get("wall_seconds") for name, r in run_labels(part)})
+            secs.update({name: stage_seconds(read_done(r["output_dir"])) for name, r in run_labels(part)})
     secs["eval"] = sum(r.get("wall_seconds") or 0.0 for r in table if not r.get("same_weights_as"))
     secs["speed"] = (speed or {}).get("seconds")
     return {k: v for k, v in secs.items() if v is not None}
+
+
+def stage_seconds(done: dict | None) -> float | None:
+    """A finished stage's seconds: its last call's wall time, or, for a stage resumed after a kill,
+    its training time summed over every attempt (the `train_seconds` its checkpoints carry) when
+    that is larger."""
+    if not done:
+        return None
+    return max(done.get("wall_seconds") or 0.0, (done.get("metrics") or {}).get("train_seconds") or 0.0)
 
 
 def run_labels(runs: list[dict]) -> list[tuple[str, dict]]:
