@@ -19,6 +19,7 @@ evaluated on the held-out selection users (valid.jsonl, never the test split) an
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -148,7 +149,7 @@ def choose_on_validation(where: str, setting, runs: list[dict], data_dir: Path, 
     seconds += sum(r.get("wall_seconds") or 0.0 for r in reps if not r.get("same_weights_as"))
     record = {"metric": c["metric"], "split": "valid", "n": reps[0]["n"], "chosen": candidates[best][0],
               "seconds": seconds,
-              "model": str(candidates[best][1]),
+              "model": os.path.relpath(Path(candidates[best][1]).resolve(), out.resolve()),
               "candidates": [{"name": n, "model_sha256": r["model_sha256"],
                               **{m: r[m] for m in ("recall@1", "ndcg@3", "valid_rate")}}
                              for (n, _), r in zip(candidates, reps)]}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -202,6 +203,8 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
             "vs_retriever", "failures", "decoder", "model", "model_sha256", "same_weights_as")
     rows = [{"name": "retriever order", "n": table[0]["n"], **table[0]["retriever"]}] if table else []
     rows += [{"name": rep["label"], **{k: rep.get(k) for k in keep}} for rep in table]
+    for row in rows[1:]:  # a row's model relative to the run directory: the run can move, `dgr2 release` reads it
+        row["model"] = os.path.relpath(Path(row["model"]).resolve(), out.resolve())
     baselines = json.loads((data_dir / "baselines.json").read_text())
     summary = {"name": cfg.get("name"), "test_users": table[0]["n"] if table else 0,
                "tau": next((r["tau"] for r in table if r.get("decoder") == "diffusion"), None), "block_size": block, "rows": rows,

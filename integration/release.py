@@ -108,7 +108,8 @@ def _metrics(summary: dict, run: Path, models: dict[str, Path]) -> dict:
         model = row.get("model")
         path = Path(model) if model else None
         if path is not None and not path.is_absolute():
-            path = run / path
+            # relative to the run directory (a summary written by an older pipeline: to where it ran)
+            path = run / path if (run / path).exists() or not path.exists() else path
         if path is None:
             row["model_sha256"] = None  # the retriever order: no model
         elif path.is_dir() and list(path.glob("*.safetensors")):

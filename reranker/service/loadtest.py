@@ -15,6 +15,9 @@ concurrency 1, 8, 32), against a server started with `dgr2 serve --model ... --d
     python -m reranker.service.loadtest --target 127.0.0.1:50051 \
         --requests artifacts/beauty/retrieval/candidates/test.jsonl --n 5000 \
         --decoders ar,diffusion --concurrency 1,8,32 --out docs/results/service-load.json
+
+and the overload (`--n 0 --overload 400`) against a server started with a small `--max-queue` and
+`--retrieval`, so that Recommend is refused too.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from proto.diffusion_gr2.v1 import reranker_pb2 as pb
 from proto.diffusion_gr2.v1 import reranker_pb2_grpc as pb_grpc
 
 from candidate_gen.files import read_jsonl
@@ -111,6 +115,63 @@ async def _run(target, rows, n_requests, concurrency, duration_limit_s, options,
     }
 
 
+async def _burst(target, rows, method, n, options, tls_ca, timeout_s):
+    """`n` calls of `method` sent at once; (status code name, milliseconds) of each."""
+    opts = decode_options(**options)
+    if method == "Rerank":
+        reqs = [rerank_request(r["candidates"], r.get("history", []), r.get("scores"), str(r.get("user", "")), opts)
+                for r in rows]
+    else:
+        reqs = [pb.RecommendRequest(user_id=str(r.get("user", "")), history=list(r.get("history", [])), options=opts)
+                for r in rows]
+    async with channel(target, tls_ca, aio=True) as ch:
+        call = getattr(pb_grpc.RerankerStub(ch), method)
+
+        async def one(req):
+            start = time.perf_counter()
+            try:
+                await call(req, timeout=timeout_s)
+                code = "OK"
+            except grpc.aio.AioRpcError as e:
+                code = e.code().name
+            return code, (time.perf_counter() - start) * 1000.0
+
+        return await asyncio.gather(*(one(reqs[i % len(reqs)]) for i in range(n)))
+
+
+OVERLOAD_METHODS = ("Rerank", "Recommend")
+
+
+def overload(target: str, requests, n_calls: int = 200, methods: Sequence[str] = OVERLOAD_METHODS,
+             options: dict | None = None, tls_ca=None, timeout_s: float = 60.0, item_ids=None, seed: int = 0) -> dict:
+    """A deliberate overload: `n_calls` calls of each method at once, against a server whose queue
+    is far smaller (`dgr2 serve --max-queue`). What a refused caller waits for its RESOURCE_EXHAUSTED
+    is the figure (`refusal_p99_ms` per method); Recommend needs a server started with --retrieval."""
+    bad = [m for m in methods if m not in OVERLOAD_METHODS]
+    if bad or n_calls < 1:
+        raise ValueError(f"overload: methods must be of {OVERLOAD_METHODS} and n_calls >= 1, got {list(methods)}, "
+                         f"{n_calls}")
+    rows = _rows(requests, n_calls, item_ids, seed)
+    out = {"calls_per_method": n_calls, "options": dict(options or {})}
+    for m in methods:
+        res = asyncio.run(_burst(target, rows, m, n_calls, dict(options or {}), tls_ca, timeout_s))
+        refused = [ms for code, ms in res if code == "RESOURCE_EXHAUSTED"]
+        out[m] = {"codes": dict(Counter(code for code, _ in res)), "refused": len(refused),
+                  "refusal_ms": _percentiles(refused), "ok_ms": _percentiles([ms for code, ms in res if code == "OK"])}
+    out["refusal_p99_ms"] = {m: out[m]["refusal_ms"]["p99"] for m in methods}
+    return out
+
+
+def _rows(requests, n_requests, item_ids, seed) -> list[dict]:
+    if requests is None:
+        if not item_ids:
+            raise ValueError("give requests (a JSONL path or rows) or item_ids to generate them from")
+        return generate_requests(item_ids, min(n_requests, 1000), seed=seed)
+    if isinstance(requests, (str, Path)):
+        return load_requests(requests, limit=n_requests)
+    return list(requests)
+
+
 def loadtest(target: str, requests: str | Path | list[dict] | None = None, n_requests: int = 1000,
              concurrency: int = 8, duration_limit_s: float = 300.0, options: dict | None = None,
              item_ids: Sequence[str] | None = None, tls_ca: str | Path | None = None,
@@ -123,14 +184,7 @@ def loadtest(target: str, requests: str | Path | list[dict] | None = None, n_req
     if n_requests < 1 or concurrency < 1 or duration_limit_s <= 0:
         raise ValueError(f"need n_requests >= 1, concurrency >= 1, duration_limit_s > 0; got "
                          f"{n_requests}, {concurrency}, {duration_limit_s}")
-    if requests is None:
-        if not item_ids:
-            raise ValueError("give requests (a JSONL path or rows) or item_ids to generate them from")
-        rows = generate_requests(item_ids, min(n_requests, 1000), seed=seed)
-    elif isinstance(requests, (str, Path)):
-        rows = load_requests(requests, limit=n_requests)
-    else:
-        rows = list(requests)
+    rows = _rows(requests, n_requests, item_ids, seed)
     return asyncio.run(_run(target, rows, n_requests, concurrency, duration_limit_s, dict(options or {}), tls_ca,
                             timeout_s))
 
@@ -160,13 +214,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_decode_flags(p, names, {n: "unset: the server's default" for n in names})
     p.add_argument("--tls-ca")
     p.add_argument("--timeout-s", type=float, default=30.0)
+    p.add_argument("--overload", type=int, default=0, metavar="N",
+                   help="after the runs, send N calls of each of --overload-methods at once (a deliberate "
+                        "overload of a server started with a small --max-queue) and report the refusals")
+    p.add_argument("--overload-methods", default="Rerank,Recommend", help="Recommend needs `serve --retrieval`")
     p.add_argument("--out", help="write the report as a docs/results JSON file")
     args = p.parse_args(argv)
     options = explicit_from_args(args)
     item_ids = json.loads(Path(args.items).read_text()) if args.items else None
-    report = loadtest_matrix(args.target, args.requests, args.n, args.decoders.split(","),
-                             [int(c) for c in args.concurrency.split(",")], args.duration_limit_s, options,
-                             item_ids=item_ids, tls_ca=args.tls_ca, timeout_s=args.timeout_s)
+    report = {"runs": []}
+    if args.n > 0:  # --n 0: the overload alone
+        report = loadtest_matrix(args.target, args.requests, args.n, args.decoders.split(","),
+                                 [int(c) for c in args.concurrency.split(",")], args.duration_limit_s, options,
+                                 item_ids=item_ids, tls_ca=args.tls_ca, timeout_s=args.timeout_s)
+    if args.overload:
+        report["overload"] = overload(args.target, args.requests, args.overload, args.overload_methods.split(","),
+                                      {**options, "decoder": args.decoders.split(",")[0]}, args.tls_ca,
+                                      args.timeout_s, item_ids)
+        for m, ms in report["overload"]["refusal_p99_ms"].items():
+            print(f"overload {m}: {report['overload'][m]['codes']}, refusal p99 "
+                  + (f"{ms:.1f} ms" if ms is not None else "- (nothing refused)"))
     for r in report["runs"]:
         lat = r["latency_ms"]
         print(f"{r['options']['decoder']:>9} c={r['concurrency']:<3} qps={r['qps']:8.2f} "

@@ -88,6 +88,9 @@ def test_pipeline_runs_every_stage_then_skips(config, capsys):
     student_weights = (out / "models" / "student" / "model.safetensors").read_bytes()
     assert summary["rows"][-1]["model_sha256"] == hashlib.sha256(student_weights).hexdigest()
     assert all(len(r["model_sha256"]) == 64 for r in summary["rows"][1:])
+    # rows name their models relative to the run directory (the run can move; `dgr2 release` reads them)
+    assert all(not Path(r["model"]).is_absolute() and (out / r["model"] / "config.json").is_file()
+               for r in summary["rows"][1:])
     capsys.readouterr()
     again = run_full_pipeline(config)
     log = capsys.readouterr().out

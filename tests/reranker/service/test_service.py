@@ -673,6 +673,25 @@ def test_recommend_checks_admission_before_it_retrieves():
         assert c.recommend(["i03"], num_candidates=3).result.items and retriever.calls == 1
 
 
+def test_loadtest_overload_reports_refusals_per_method():
+    """`dgr2 loadtest --overload N`: N calls of Rerank and of Recommend at once against a queue of 2;
+    the report counts what was refused and how long a refused caller waited."""
+    from reranker.service.loadtest import overload
+
+    eng, retriever = SlowEngine(step_s=0.01), CountingRetriever()
+    with BackgroundServer(eng, slow_config(max_batch=1, max_queue=2, max_wait_ms=0), retriever=retriever) as srv:
+        srv.warmed.result(30)
+        rows = [{"candidates": ITEMS[:3], "history": ["i20"], "user": "u"}]
+        rep = overload(srv.target, rows, n_calls=12, options={"max_new_tokens": 20})
+    for m in ("Rerank", "Recommend"):
+        codes = rep[m]["codes"]
+        assert sum(codes.values()) == 12 and codes.get("RESOURCE_EXHAUSTED", 0) == rep[m]["refused"] >= 8, codes
+        assert codes.get("OK", 0) >= 1 and set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}
+        assert rep["refusal_p99_ms"][m] == rep[m]["refusal_ms"]["p99"] > 0
+    with pytest.raises(ValueError, match="methods must be of"):
+        overload("127.0.0.1:1", rows, methods=["Nope"])
+
+
 def test_sigterm_exits_within_grace_plus_one_second(dirs):
     grace = 1.0
     proc, target, lines, reader = launch_server(dirs["model"], dirs["data"], "--max-batch", "1",
