@@ -312,9 +312,11 @@ def speed_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
                        f"{_fmt(p.get('mean_generated_tokens'), 1)} | {_fmt(p.get('speedup'), 2)} | "
                        f"{_stat(p.get('speedup_paired'), 2)} | {_stat(p.get('decode_speedup_paired'), 2)} | "
                        f"{_fmt(p.get('recall@1'))} | {same} | {_fmt(p.get('valid_rate'))} |")
+        sched = (r.get("settings") or {}).get("schedule", "lockstep")
+        sched = "" if sched == "lockstep" else f", {sched} rows"
         for p in row.get("points") or []:
             vs = ((acc.get(p.get("tau")) or {}).get("vs_ar") or {}).get("recall@1")
-            out.append(f"| {b} | diffusion τ={_fmt(p.get('tau'), 2)} | {_stat(p.get('tokens_per_second'))} | "
+            out.append(f"| {b} | diffusion τ={_fmt(p.get('tau'), 2)}{sched} | {_stat(p.get('tokens_per_second'))} | "
                        f"{_fmt(p.get('forward_passes_per_token'), 3)} | {_fmt(p.get('tokens_per_step'), 2)} | "
                        f"{_fmt(p.get('mean_generated_tokens'), 1)} | {_fmt(p.get('speedup'), 2)} | "
                        f"{_stat(p.get('speedup_paired'), 2)} | {_stat(p.get('decode_speedup_paired'), 2)} | "

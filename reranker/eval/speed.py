@@ -75,6 +75,7 @@ from reranker.diffusion.ar_decoder import ar_decode
 from reranker.diffusion.convert import load_diffusion_config
 from reranker.diffusion.diffusion_decoder import diffusion_decode, prefill
 from reranker.diffusion.forward import crop, forward
+from reranker.diffusion.independent_decoder import diffusion_decode_independent
 from reranker.diffusion.lookup_decoder import ar_lookup_decode
 from reranker.diffusion.masks import block_causal_mask, left_pad
 from reranker.training.precision import autocast
@@ -88,6 +89,9 @@ NO_EOS = -1  # a token id no decoder can produce: decoding runs to max_new_token
 # Decoders whose output must equal the AR decoder's greedy tokens, timed beside it: what a user who
 # wants a faster exact AR re-ranker already has (Hugging Face generate) and prompt-lookup drafting.
 EXACT_DECODERS = ("hf_generate", "ar_lookup")
+# how a batch's rows move through the diffusion blocks: together (diffusion_decoder.py), or each on
+# its own (independent_decoder.py: no row waits for the slowest; the same tokens)
+SCHEDULES = ("lockstep", "independent")
 
 
 # --------------------------------------------------------------------------------------------- stats
@@ -168,7 +172,8 @@ def hf_generate(model, prompts, max_new_tokens, eos_token_id, pad_token_id):
 
 
 def _run(kind, model, prompts, batch_size, max_new_tokens, eos, pad, tau=None, block_size=None,
-         mask_token_id=None, max_steps_per_block=None, commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False):
+         mask_token_id=None, max_steps_per_block=None, commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False,
+         schedule="lockstep"):
     """Decode every prompt once in chunks of batch_size; returns timing and counts (and tokens).
     kind: "ar", "hf_generate", "ar_lookup" or "diffusion"."""
     seconds, n_forward, rows_per_tok, tokens, row_steps = 0.0, 0, 0.0, [], 0
@@ -185,10 +190,11 @@ def _run(kind, model, prompts, batch_size, max_new_tokens, eos, pad, tau=None, b
                 res = hf_generate(model, chunk, max_new_tokens, eos, pad)
             elif kind == "ar_lookup":
                 res = ar_lookup_decode(model, chunk, max_new_tokens, eos, pad)
-            else:
-                res = diffusion_decode(model, chunk, max_new_tokens, block_size, mask_token_id, eos, pad, tau=tau,
-                                       temperature=0.0, max_steps_per_block=max_steps_per_block,
-                                       commit_rule=commit_rule, hold_eos=hold_eos)
+            else:  # rows in lockstep through each block, or each row through its own (SCHEDULES)
+                decode = diffusion_decode if schedule == "lockstep" else diffusion_decode_independent
+                res = decode(model, chunk, max_new_tokens, block_size, mask_token_id, eos, pad, tau=tau,
+                             temperature=0.0, max_steps_per_block=max_steps_per_block,
+                             commit_rule=commit_rule, hold_eos=hold_eos)
             seconds += time.perf_counter() - t0
         finally:
             if was_enabled:
@@ -224,7 +230,8 @@ def _run(kind, model, prompts, batch_size, max_new_tokens, eos, pad, tau=None, b
 
 def _interleaved(ar_model, diff_model, prompts, batch_size, taus, max_new_tokens, repeats, warmup, eos, pad,
                  block_size, mask_token_id, max_steps_per_block, exact_length=None, progress=None,
-                 commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False, exact_decoders=EXACT_DECODERS):
+                 commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False, exact_decoders=EXACT_DECODERS,
+                 schedule="lockstep"):
     """AR, every exact decoder (on the AR model) and every tau, once per repeat, back to back;
     returns (ar summary, [exact decoder summaries], [tau summaries])."""
     configs = [("ar", None)] + [(d, None) for d in exact_decoders] + [("diffusion", t) for t in taus]
@@ -234,7 +241,7 @@ def _interleaved(ar_model, diff_model, prompts, batch_size, taus, max_new_tokens
         for kind, tau in order:
             m = diff_model if kind == "diffusion" else ar_model
             res = _run(kind, m, prompts, batch_size, max_new_tokens, eos, pad, tau, block_size, mask_token_id,
-                       max_steps_per_block, commit_rule, hold_eos)
+                       max_steps_per_block, commit_rule, hold_eos, schedule)
             if exact_length is not None and any(len(t) != exact_length for t in res["tokens"]):
                 got = sorted({len(t) for t in res["tokens"]})
                 raise RuntimeError(f"{kind} decoder did not generate exactly {exact_length} tokens per row with "
@@ -481,7 +488,7 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
                   eos_token_id=None, pad_token_id=None, mask_token_id=None, max_steps_per_block=None,
                   lengths=DEFAULT_LENGTHS, length_taus=DEFAULT_LENGTH_TAUS, length_batch_sizes=None, forward_blocks=DEFAULT_FORWARD_BLOCKS,
                   forward_iters=20, context=None, accuracy=None, accuracy_batch_size=8, progress=None,
-                  commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False, exact_decoders=()) -> dict:
+                  commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False, exact_decoders=(), schedule="lockstep") -> dict:
     """Side-by-side decode speed of AR (`ar_model`) and block diffusion (`diff_model`) on `prompts`
     (token-id lists). See the module docstring for what each number means.
 
@@ -499,6 +506,8 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
     if not prompts or min(len(p) for p in prompts) < 1:
         raise ValueError("need at least one non-empty prompt")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule: must be one of {SCHEDULES}, got {schedule!r}")
     exact_decoders = tuple(exact_decoders)
     unknown = [d for d in exact_decoders if d not in EXACT_DECODERS]
     if unknown or len(set(exact_decoders)) < len(exact_decoders):
@@ -526,7 +535,7 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
     taus = tuple(float(t) for t in taus)
     kw = dict(eos=eos_token_id, pad=pad_token_id, block_size=block_size, mask_token_id=mask_token_id,
               max_steps_per_block=max_steps_per_block, progress=progress, commit_rule=commit_rule,
-              hold_eos=hold_eos, exact_decoders=exact_decoders)
+              hold_eos=hold_eos, exact_decoders=exact_decoders, schedule=schedule)
     t_start = time.perf_counter()
     gc.collect()
     gc.freeze()  # long-lived objects (models, modules) leave the collector: cheap young-generation passes
@@ -571,6 +580,7 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
         "settings": {"block_size": block_size, "mask_token_id": mask_token_id, "eos_token_id": eos_token_id,
                      "max_new_tokens": max_new_tokens, "max_steps_per_block": max_steps_per_block or block_size,
                      "commit_rule": commit_rule, "hold_eos": bool(hold_eos), "exact_decoders": list(exact_decoders),
+                     "schedule": schedule,
                      "repeats": repeats, "warmup": warmup, "taus": list(taus), "batch_sizes": [int(b) for b in batch_sizes],
                      "lengths": [int(x) for x in lengths], "length_taus": [float(t) for t in length_taus],
                      "n_prompts": len(prompts), "mean_prompt_tokens": float(np.mean([len(p) for p in prompts])),

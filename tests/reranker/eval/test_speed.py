@@ -221,6 +221,24 @@ def test_measure_speed_passes_the_commit_rule(parts):
     assert pre["batches"][0]["points"][0]["tokens_per_step"] <= conf["batches"][0]["points"][0]["tokens_per_step"]
 
 
+def test_independent_schedule_is_timed_with_the_same_tokens(parts, monkeypatch):
+    import reranker.eval.speed as speed
+
+    calls = []
+    real = speed.diffusion_decode_independent
+    monkeypatch.setattr(speed, "diffusion_decode_independent", lambda *a, **k: calls.append(1) or real(*a, **k))
+    kw = dict(batch_sizes=(2,), taus=(0.3,), max_new_tokens=8, repeats=1, warmup=0, threads=1, lengths=(),
+              forward_blocks=())
+    lock = measure_speed(parts["model"], parts["dmodel"], parts["prompts"], **kw)
+    assert not calls
+    ind = measure_speed(parts["model"], parts["dmodel"], parts["prompts"], schedule="independent", **kw)
+    assert calls and ind["settings"]["schedule"] == "independent" and lock["settings"]["schedule"] == "lockstep"
+    a, b = lock["batches"][0]["points"][0], ind["batches"][0]["points"][0]
+    assert a["generated_tokens"] == b["generated_tokens"] and a["tokens_per_step"] == b["tokens_per_step"]
+    with pytest.raises(ValueError, match="schedule: must be one of"):
+        measure_speed(parts["model"], parts["dmodel"], parts["prompts"], schedule="ragged", **kw)
+
+
 def test_measure_speed_passes_hold_eos_to_the_decoder(parts, monkeypatch):
     import reranker.eval.speed as speed
 
