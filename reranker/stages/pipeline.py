@@ -226,7 +226,13 @@ def run_pipeline(stage_specs: list[dict], start_model_dir, runs_dir, data_dir=No
     if D.is_main():
         rel = [{**s, "output_dir": _rel(s["output_dir"], runs_dir), "run_dir": _rel(s["run_dir"], runs_dir)}
                for s in summaries]
-        atomic_write_json(runs_dir / "pipeline_summary.json", rel)
+        # several chains may share a runs dir (the pipeline runs ar_rl after choosing the teacher):
+        # each call adds or updates its runs, keeping the others
+        path = runs_dir / "pipeline_summary.json"
+        earlier = json.loads(path.read_text()) if path.is_file() else []
+        ours = {r["run_dir"] for r in rel}
+        merged = sorted([r for r in earlier if r.get("run_dir") not in ours] + rel, key=lambda r: r["run_dir"])
+        atomic_write_json(path, merged)
     return summaries
 
 
