@@ -488,17 +488,19 @@ def test_sigterm_drains_the_real_server(dirs):
                                                 "--max-new-tokens", "400", "--drain-grace-s", "20")
     log = []
     try:
-        with RerankerClient(target, timeout=60) as c, ThreadPoolExecutor(6) as pool:
+        with RerankerClient(target, timeout=60) as c:
             assert c.health() == "SERVING"
             done = []
-
-            def call(k):
-                resp = c.rerank(ITEMS[k:k + 10], history=["i20"], max_new_tokens=400)
-                done.append(time.monotonic())
-                return resp
-
-            futures = [pool.submit(call, k) for k in range(6)]  # decoded one at a time, ~0.3 s each
-            time.sleep(0.3)
+            # six calls started from this thread (gRPC's own threads put them on the wire), decoded one at
+            # a time, ~0.3 s each; SIGTERM once the first is answered, when the other five were surely
+            # admitted: a loaded machine may delay a worker thread's send, not these
+            futures = [c.stub.Rerank.future(rerank_request(ITEMS[k:k + 10], ["i20"],
+                                                           options=pb.DecodeOptions(max_new_tokens=400)), timeout=60)
+                       for k in range(6)]
+            for f in futures:
+                f.add_done_callback(lambda _: done.append(time.monotonic()))
+            while not done:
+                time.sleep(0.01)
             sent_term = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             time.sleep(0.1)
