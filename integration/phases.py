@@ -114,13 +114,14 @@ def check_choose(setting, where: str) -> dict:
 
 
 def choose_on_validation(where: str, setting, runs: list[dict], data_dir: Path, ecfg: dict, out: Path,
-                         decoder: str) -> tuple[Path, dict]:
+                         decoder: str, evaluate_rows) -> tuple[Path, dict]:
     """The model the chain continues from (see the module docstring) and the record of the choice.
-    Averages go to `<out>/models/<where>-avg<k>`; the candidates' reports to `<out>/selection/<where>/`."""
+    Averages go to `<out>/models/<where>-avg<k>`; the candidates' reports to `<out>/selection/<where>/`.
+    `evaluate_rows`: the pipeline's row evaluation (integration.pipeline.evaluate_rows)."""
     from reranker.model import average_models
     from reranker.stages.pipeline import model_fingerprint
 
-    from .pipeline import _done, _hash, _mark, evaluate_rows
+    from .step_markers import mark_step, step_done, step_hash
 
     c = check_choose(setting, where)
     outputs = [Path(r["output_dir"]) for r in runs]
@@ -134,12 +135,12 @@ def choose_on_validation(where: str, setting, runs: list[dict], data_dir: Path, 
             continue
         members = outputs[-k:]
         avg = out / "models" / f"{where}-avg{k}"
-        h = _hash("average", [model_fingerprint(m) for m in members])
-        if not _done(avg / ".average_done.json", h):
+        h = step_hash("average", [model_fingerprint(m) for m in members])
+        if not step_done(avg / ".average_done.json", h):
             print(f"  {where}: averaging the last {k} runs", flush=True)
             t0 = time.time()
             average_models(members, avg)
-            _mark(avg / ".average_done.json", h, members=[str(m) for m in members], seconds=time.time() - t0)
+            mark_step(avg / ".average_done.json", h, members=[str(m) for m in members], seconds=time.time() - t0)
         seconds += json.loads((avg / ".average_done.json").read_text()).get("seconds") or 0.0
         candidates.append((f"average of the last {k}", avg))
     ecfg = {**ecfg, "split": "valid", "limit": c["limit"]}

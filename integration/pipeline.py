@@ -17,7 +17,6 @@ stages also resume from their last checkpoint after an interruption (reranker/st
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -28,23 +27,12 @@ from candidate_gen.files import atomic_write_text, file_sha256, model_sha256
 
 from .config import section
 from .phases import choose_on_validation, copy_warmup_specs, phase_specs
+from .step_markers import mark_step, step_done, step_hash
 
 log = logging.getLogger(__name__)
 
 # the `stages` settings, in the order they run (integration/phases.py: phases, copy draws, choices)
 STAGE_KEYS = ("copy_warmup", "sft", "choose_teacher", "ar_rl", "cft", "choose_student", "opd", "rl")
-
-
-def _hash(*parts) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _done(marker: Path, h: str) -> bool:
-    return marker.exists() and json.loads(marker.read_text()).get("hash") == h
-
-
-def _mark(marker: Path, h: str, **info) -> None:
-    atomic_write_text(marker, json.dumps({"hash": h, **info}, indent=2))
 
 
 def _step(name: str, i: int, n: int, msg: str) -> None:
@@ -72,14 +60,14 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     # 1. Retrieval.
     t = time.time()
     rs = retrieval_settings(cfg, data_override, str(out / "retrieval"))
-    h_ret = _hash("retrieval", section(cfg, "data"), section(cfg, "retrieval"), seed, data_override)
-    if _done(out / "retrieval" / ".pipeline_done.json", h_ret):
+    h_ret = step_hash("retrieval", section(cfg, "data"), section(cfg, "retrieval"), seed, data_override)
+    if step_done(out / "retrieval" / ".pipeline_done.json", h_ret):
         _step("retrieval", 1, n_steps, "up to date, skipped")
         retrieval = json.loads((out / "retrieval" / "metrics.json").read_text())
     else:
         _step("retrieval", 1, n_steps, "SASRec + FAISS + candidate lists")
         retrieval = run_retrieval(rs)
-        _mark(out / "retrieval" / ".pipeline_done.json", h_ret)
+        mark_step(out / "retrieval" / ".pipeline_done.json", h_ret)
     timings["retrieval"] = time.time() - t
 
     # 2. Re-ranking data + baselines.
@@ -87,15 +75,15 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     dcfg = dict(section(cfg, "rerank_data"))
     data_dir = out / "rerank_data"
     items_path = dcfg.pop("items_path", None) or _items_file(rs)
-    h_data = _hash("data", h_ret, dcfg, file_sha256(items_path), seed)
-    if _done(data_dir / ".pipeline_done.json", h_data):
+    h_data = step_hash("data", h_ret, dcfg, file_sha256(items_path), seed)
+    if step_done(data_dir / ".pipeline_done.json", h_data):
         _step("data", 2, n_steps, "up to date, skipped")
     else:
         _step("data", 2, n_steps, "semantic IDs, tokenizer, teacher traces")
         build_rerank_data(rs.out, items_path, data_dir, seed=seed, **dcfg)
         baselines = run_baselines(data_dir, n_boot=int(section(cfg, "eval").get("n_boot", 2000)), seed=seed)
         atomic_write_text(data_dir / "baselines.json", json.dumps(baselines, indent=2))
-        _mark(data_dir / ".pipeline_done.json", h_data, seconds=time.time() - t)
+        mark_step(data_dir / ".pipeline_done.json", h_data, seconds=time.time() - t)
     timings["data"] = time.time() - t
     if only_until == "data":
         return {"retrieval": retrieval}
@@ -104,10 +92,10 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     t = time.time()
     mcfg = section(cfg, "model")
     init_dir = out / "models" / "init"
-    h_init = _hash("init", h_data, mcfg, seed)
-    if not _done(out / "models" / ".init_done.json", h_init):
+    h_init = step_hash("init", h_data, mcfg, seed)
+    if not step_done(out / "models" / ".init_done.json", h_init):
         init_model(data_dir, init_dir, size=mcfg.get("size", "cpu"), base=mcfg.get("base"), seed=seed)
-        _mark(out / "models" / ".init_done.json", h_init)
+        mark_step(out / "models" / ".init_done.json", h_init)
     stages = section(cfg, "stages")
     unknown = sorted(set(stages) - set(STAGE_KEYS))
     if unknown:
@@ -124,7 +112,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     sft_dir = Path(ar_runs[-1]["output_dir"]) if ar_runs else init_dir
     if "choose_teacher" in stages and ar_runs:
         sft_dir, selection["teacher"] = choose_on_validation("choose_teacher", stages["choose_teacher"], ar_runs,
-                                                             data_dir, ecfg, out, "ar")
+                                                             data_dir, ecfg, out, "ar", evaluate_rows)
     rl_runs = []
     if "ar_rl" in stages:
         rl_runs = run_pipeline(phase_specs("ar_rl", stages["ar_rl"], data_dir, seed, len(ar_specs) + 1), sft_dir,
@@ -139,12 +127,12 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     # in the converted model, carried by every later stage, used by OPD/RL rollouts, eval and serve.
     decode = section(cfg, "convert").get("decode") or {}
     naive_dir = out / "models" / "naive"
-    h_conv = _hash("convert", model_fingerprint(ar_dir), block, decode)
-    if not _done(out / "models" / ".naive_done.json", h_conv):
+    h_conv = step_hash("convert", model_fingerprint(ar_dir), block, decode)
+    if not step_done(out / "models" / ".naive_done.json", h_conv):
         _step("convert", 4, n_steps, f"AR -> block diffusion, B = {block}")
         t_conv = time.time()
         convert_to_diffusion(ar_dir, naive_dir, block_size=block, decode=decode)
-        _mark(out / "models" / ".naive_done.json", h_conv, seconds=time.time() - t_conv)
+        mark_step(out / "models" / ".naive_done.json", h_conv, seconds=time.time() - t_conv)
     _step("diffusion", 5, n_steps, " -> ".join(x for x in ("cft", "choose_student", "opd", "rl") if x in stages))
     d_runs = []
     student = naive_dir
@@ -154,7 +142,8 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
         student = Path(cft_runs[-1]["output_dir"])
         if "choose_student" in stages:
             student, selection["student"] = choose_on_validation("choose_student", stages["choose_student"],
-                                                                 cft_runs, data_dir, ecfg, out, "diffusion")
+                                                                 cft_runs, data_dir, ecfg, out, "diffusion",
+                                                                 evaluate_rows)
         d_runs.append({"name": "cft", "output_dir": str(student), "runs": cft_runs})
     n_d = sum(len(r["runs"]) for r in d_runs)
     for s in ("opd", "rl"):
@@ -376,7 +365,7 @@ def evaluate_rows(rows, data_dir: Path, ecfg: dict, eval_dir: Path) -> list[dict
         opts = _decode_options(ecfg, decoder, model_dir)
         # The resolved options, not the config subset: what a model directory records counts too.
         weights = model_sha256(model_dir)
-        key = _hash("eval", weights, test_hash, opts.as_dict(),
+        key = step_hash("eval", weights, test_hash, opts.as_dict(),
                     {k: ecfg.get(k) for k in ("split", "limit", "batch_size")})
         path = eval_dir / f"{label.replace(' ', '_').replace('+', 'p')}.json"
         cached = json.loads(path.read_text()) if path.is_file() else None
@@ -421,7 +410,7 @@ def measure_final_speed(ar_dir: Path, diff_dir: Path, data_dir: Path, scfg: dict
 
     opts = _decode_options(ecfg, "diffusion", diff_dir)
     settings = {k: scfg.get(k) for k in SPEED_KEYS}
-    key = _hash("speed", model_sha256(ar_dir), model_sha256(diff_dir), settings, opts.as_dict(),
+    key = step_hash("speed", model_sha256(ar_dir), model_sha256(diff_dir), settings, opts.as_dict(),
                 {k: ecfg.get(k) for k in ("split",)})
     if path.is_file():
         cached = json.loads(path.read_text())
