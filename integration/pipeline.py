@@ -267,17 +267,6 @@ def _save_invocations(out: Path, invs: list[dict]) -> None:
     atomic_write_text(Path(out) / "invocations.json", json.dumps(invs, indent=2))
 
 
-def machine_info() -> dict:
-    import os
-    import platform
-
-    import torch
-
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
-
-
 def recorded_seconds(out: Path, chain: list, table: list[dict], speed: dict | None) -> dict:
     """{step: seconds}, in the order the steps ran, from what each step wrote beside its output:
     retrieval's metrics, the data and conversion markers, each training run's stage_done.json, each

@@ -14,11 +14,11 @@ def cmd_pipeline(args) -> int:
     """The whole pipeline from a config; prints the stage table."""
     import time
 
-    from ..pipeline import format_summary, run_full_pipeline
-
     import sys
 
-    from ..pipeline import finish_invocation, machine_info, start_invocation
+    from reranker.eval.speed import machine_info
+
+    from ..pipeline import finish_invocation, format_summary, run_full_pipeline, start_invocation
 
     t0 = time.time()
     cfg = load_config(args.config)

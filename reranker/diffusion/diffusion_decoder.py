@@ -162,12 +162,8 @@ def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, 
                                                         pre + k, pending, keep=cols)
             pending = None
             n_forward, n_steps = n_forward + 1, n_steps + 1
-            tok_c, lp_c, conf_c = pick_tokens(logits, temperature, generator=generator)
-            # Back to block columns; columns without logits are not eligible, so never committed.
-            tok, lp, conf = canvas.clone(), torch.zeros_like(lp_blk), torch.zeros_like(lp_blk)
-            tok[:, cols], lp[:, cols], conf[:, cols] = tok_c, lp_c, conf_c
-            hold = tok == eos_token_id if hold_eos else None  # commit_confident only looks at eligible ones
-            commit = commit_confident(conf, eligible, tau, force_all=s == cap - 1, rule=commit_rule, hold=hold)
+            commit, tok, lp = choose_commits(logits, cols, canvas, eligible, s == cap - 1, tau, temperature,
+                                             generator, commit_rule, eos_token_id if hold_eos else None)
             canvas = torch.where(commit, tok, canvas)
             step_of = torch.where(commit, s, step_of)
             lp_blk = torch.where(commit, lp, lp_blk)
@@ -190,8 +186,31 @@ def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, 
             rows, last, pad_left, cache_valid, pending_ids, win_pos = (
                 x[idx] for x in (rows, last, pad_left, cache_valid, pending_ids, win_pos))
         pending = (pending_ids, win_pos, pre + k)
+    return collect_result(traj_tok, traj_step, traj_lp, length, B, n_forward, n_steps, steps_per_block,
+                          prefill_seconds)
+
+
+def choose_commits(logits, cols, canvas, eligible, force, tau, temperature, generator, commit_rule, hold_eos_id):
+    """One step's choice: tokens for the `cols` that have logits, put back at their block columns
+    (columns without logits are not eligible, so never committed), and which eligible positions
+    commit. force: commit every eligible position (a bool, or per row (b,)); hold_eos_id: the EOS id
+    to hold (commit_confident's `hold`), or None. Returns (commit, tokens, logprobs), each (b, B)."""
+    tok_c, lp_c, conf_c = pick_tokens(logits, temperature, generator=generator)
+    tok, lp = canvas.clone(), torch.zeros(canvas.shape, device=canvas.device)
+    conf = torch.zeros_like(lp)
+    tok[:, cols], lp[:, cols], conf[:, cols] = tok_c, lp_c, conf_c
+    hold = tok == hold_eos_id if hold_eos_id is not None else None  # commit_confident only looks at eligible ones
+    if isinstance(force, bool):
+        return commit_confident(conf, eligible, tau, force_all=force, rule=commit_rule, hold=hold), tok, lp
+    commit = commit_confident(conf, eligible, tau, rule=commit_rule, hold=hold)
+    return torch.where(force[:, None], eligible, commit), tok, lp
+
+
+def collect_result(traj_tok, traj_step, traj_lp, length, B, n_forward, n_steps, steps_per_block,
+                   prefill_seconds) -> DiffusionResult:
+    """The per-row record of a decode: tokens through each row's length, and its trajectory in whole blocks."""
     trajs, tokens = [], []
-    for r in range(b):
+    for r in range(len(length)):
         n = int(length[r])
         end = math.ceil(n / B) * B
         tokens.append(traj_tok[r, :n].tolist())

@@ -21,13 +21,9 @@ import torch
 
 from reranker.decoding import DEFAULT_COMMIT_RULE, DEFAULT_TAU
 
-from .forward import check_commit_rule, clock, commit_confident, crop, forward, pick_tokens, select_rows
+from .diffusion_decoder import _first_eos, choose_commits, collect_result, prefill
+from .forward import check_commit_rule, clock, crop, forward, select_rows
 from .masks import block_causal_mask, left_pad
-
-
-def _first_eos(canvas, step_of, eos_id):
-    hit = (canvas == eos_id) & (step_of >= 0)
-    return torch.where(hit.any(1), hit.int().argmax(1), torch.full_like(hit[:, 0], canvas.shape[1], dtype=torch.long))
 
 
 def ragged_block_step(model, cache, cache_blk, cache_valid, window, window_pos, window_blk, pending=None, keep=None):
@@ -66,8 +62,6 @@ def diffusion_decode_independent(model, prompts, max_new_tokens, block_size, mas
                                  generator=None, commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False):
     """diffusion_decode's contract (arguments, commit rules, EOS hold, DiffusionResult), rows advancing
     independently. Returns a DiffusionResult."""
-    from .diffusion_decoder import DiffusionResult, Trajectory, prefill
-
     dev, B = model.device, block_size
     cap = max_steps_per_block or B
     check_commit_rule(commit_rule)
@@ -105,12 +99,8 @@ def diffusion_decode_independent(model, prompts, max_new_tokens, block_size, mas
                                                            pre + k, pending, keep=cols)
         pending = None
         n_forward, n_steps = n_forward + 1, n_steps + 1
-        tok_c, lp_c, conf_c = pick_tokens(logits, temperature, generator=generator)
-        tok, lp, conf = canvas.clone(), torch.zeros_like(lp_blk), torch.zeros_like(lp_blk)
-        tok[:, cols], lp[:, cols], conf[:, cols] = tok_c, lp_c, conf_c
-        hold = tok == eos_token_id if hold_eos else None
-        commit = commit_confident(conf, eligible, tau, rule=commit_rule, hold=hold)
-        commit = torch.where((s == cap - 1)[:, None], eligible, commit)  # a row's last allowed step
+        commit, tok, lp = choose_commits(logits, cols, canvas, eligible, s == cap - 1,  # a row's last allowed step
+                                         tau, temperature, generator, commit_rule, eos_token_id if hold_eos else None)
         canvas = torch.where(commit, tok, canvas)
         step_of = torch.where(commit, s[:, None], step_of)
         lp_blk = torch.where(commit, lp, lp_blk)
@@ -149,10 +139,5 @@ def diffusion_decode_independent(model, prompts, max_new_tokens, block_size, mas
                 x[idx] for x in (rows, last, pad_left, k, s, canvas, step_of, lp_blk, cache_blk, cache_valid))
             if pending is not None:
                 pending = tuple(x[idx] for x in pending)
-    trajs, tokens = [], []
-    for r in range(b):
-        n = int(length[r])
-        end = math.ceil(n / B) * B
-        tokens.append(traj_tok[r, :n].tolist())
-        trajs.append(Trajectory(traj_tok[r, :end].cpu(), traj_step[r, :end].cpu(), traj_lp[r, :end].cpu(), n, B))
-    return DiffusionResult(tokens, trajs, n_forward, n_steps, steps_per_block, prefill_seconds)
+    return collect_result(traj_tok, traj_step, traj_lp, length, B, n_forward, n_steps, steps_per_block,
+                          prefill_seconds)
