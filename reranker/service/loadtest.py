@@ -6,17 +6,21 @@ may take up to `timeout_s` more). The report has QPS, p50/p95/p99 latency of the
 error counts by status code, and the server's own stats (batch size, queue and decode
 milliseconds, fallback rate).
 
-Requests come from a JSONL file with `history`, `candidates`, `scores`, `user` per line (the
-retrieval artifacts' candidates/test.jsonl works as is), or are generated from a list of item ids.
+Requests come from a JSONL file with `history`, `candidates`, `scores`, `user` per line (a
+release bundle's test.jsonl and the retrieval artifacts' candidates/test.jsonl work as they are),
+or are generated from a list of item ids.
 
 The benchmark in the issue (Beauty, 5,000 requests per configuration, AR and diffusion at
-concurrency 1, 8, 32), against a server started with `dgr2 serve --model ... --data ...`:
+concurrency 1, 8, 32), against one server per model, each started with `dgr2 serve --model ...`
+(the AR teacher on one port, the block-diffusion student on another: the AR rows must time the
+teacher, not the student decoded one token at a time):
 
-    python -m reranker.service.loadtest --target 127.0.0.1:50051 \
-        --requests artifacts/beauty/retrieval/candidates/test.jsonl --n 5000 \
+    dgr2 loadtest --target ar=127.0.0.1:50061,diffusion=127.0.0.1:50062 \
+        --requests models/amazon-beauty/test.jsonl --n 5000 \
         --decoders ar,diffusion --concurrency 1,8,32 --out docs/results/service-load.json
 
-and the overload (`--n 0 --overload 400`) against a server started with a small `--max-queue` and
+A bare `--target HOST:PORT` sends every decoder's requests to that one server. The overload
+(`--n 0 --overload 400`) goes against a server started with a small `--max-queue` and
 `--retrieval`, so that Recommend is refused too.
 """
 from __future__ import annotations
@@ -74,10 +78,34 @@ def _percentiles(ms: list[float]) -> dict:
             "p99": float(np.percentile(a, 99)), "mean": float(a.mean()), "max": float(a.max())}
 
 
+def parse_targets(spec: str, decoders: Sequence[str]) -> dict[str, str]:
+    """`--target`: "HOST:PORT" (every decoder's calls go there) or "DECODER=HOST:PORT,..." (one
+    server per decoder, e.g. the AR teacher and the diffusion student). Every decoder needs one."""
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    if len(parts) == 1 and "=" not in parts[0]:
+        return {d: parts[0] for d in decoders}
+    targets = {}
+    for part in parts:
+        name, sep, addr = part.partition("=")
+        if not sep or not name or not addr:
+            raise ValueError(f"--target: expected DECODER=HOST:PORT, got {part!r}")
+        if name in targets:
+            raise ValueError(f"--target: decoder {name!r} given twice")
+        targets[name] = addr
+    missing, unused = [d for d in decoders if d not in targets], sorted(set(targets) - set(decoders))
+    if missing or unused:
+        raise ValueError(f"--target: no server for decoders {missing}" if missing else
+                         f"--target: servers for decoders not in --decoders: {unused}")
+    return targets
+
+
+def _rerank_requests(rows, opts) -> list:
+    return [rerank_request(r["candidates"], r.get("history", []), r.get("scores"), str(r.get("user", "")), opts)
+            for r in rows]
+
+
 async def _run(target, rows, n_requests, concurrency, duration_limit_s, options, tls_ca, timeout_s):
-    opts = decode_options(**options)
-    requests = [rerank_request(r["candidates"], r.get("history", []), r.get("scores"), str(r.get("user", "")), opts)
-                for r in rows]
+    requests = _rerank_requests(rows, decode_options(**options))
     latencies, codes, stats = [], Counter(), []
     sent = 0
     async with channel(target, tls_ca, aio=True) as ch:
@@ -119,8 +147,7 @@ async def _burst(target, rows, method, n, options, tls_ca, timeout_s):
     """`n` calls of `method` sent at once; (status code name, milliseconds) of each."""
     opts = decode_options(**options)
     if method == "Rerank":
-        reqs = [rerank_request(r["candidates"], r.get("history", []), r.get("scores"), str(r.get("user", "")), opts)
-                for r in rows]
+        reqs = _rerank_requests(rows, opts)
     else:
         reqs = [pb.RecommendRequest(user_id=str(r.get("user", "")), history=list(r.get("history", [])), options=opts)
                 for r in rows]
@@ -189,11 +216,13 @@ def loadtest(target: str, requests: str | Path | list[dict] | None = None, n_req
                             timeout_s))
 
 
-def loadtest_matrix(target: str, requests=None, n_requests: int = 5000, decoders=("ar", "diffusion"),
+def loadtest_matrix(target: str | dict, requests=None, n_requests: int = 5000, decoders=("ar", "diffusion"),
                     concurrencies=(1, 8, 32), duration_limit_s: float = 600.0, options: dict | None = None,
                     **kw) -> dict:
-    """loadtest for every decoder x concurrency; adds diffusion/AR QPS ratios per concurrency."""
-    runs = [loadtest(target, requests, n_requests, c, duration_limit_s, {**(options or {}), "decoder": d}, **kw)
+    """loadtest for every decoder x concurrency; adds diffusion/AR QPS ratios per concurrency.
+    target: one server for every decoder, or {decoder: server} (parse_targets)."""
+    targets = target if isinstance(target, dict) else {d: target for d in decoders}
+    runs = [loadtest(targets[d], requests, n_requests, c, duration_limit_s, {**(options or {}), "decoder": d}, **kw)
             for d in decoders for c in concurrencies]
     qps = {(r["options"]["decoder"], r["concurrency"]): r["qps"] for r in runs}
     ratios = {str(c): qps[("diffusion", c)] / qps[("ar", c)] for c in concurrencies
@@ -203,7 +232,8 @@ def loadtest_matrix(target: str, requests=None, n_requests: int = 5000, decoders
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="dgr2 loadtest", description="Load-test a running re-ranking server.")
-    p.add_argument("--target", default="127.0.0.1:50051")
+    p.add_argument("--target", default="127.0.0.1:50051",
+                   help="HOST:PORT for every decoder, or DECODER=HOST:PORT,... (one server per model)")
     p.add_argument("--requests", help="JSONL with history/candidates/scores/user per line")
     p.add_argument("--items", help="JSON list of item ids to generate requests from (instead of --requests)")
     p.add_argument("--n", type=int, default=1000, help="requests per configuration")
@@ -220,16 +250,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--overload-methods", default="Rerank,Recommend", help="Recommend needs `serve --retrieval`")
     p.add_argument("--out", help="write the report as a docs/results JSON file")
     args = p.parse_args(argv)
+    decoders = args.decoders.split(",")
+    try:
+        targets = parse_targets(args.target, decoders)
+    except ValueError as e:
+        p.error(str(e))
     options = explicit_from_args(args)
     item_ids = json.loads(Path(args.items).read_text()) if args.items else None
     report = {"runs": []}
     if args.n > 0:  # --n 0: the overload alone
-        report = loadtest_matrix(args.target, args.requests, args.n, args.decoders.split(","),
+        report = loadtest_matrix(targets, args.requests, args.n, decoders,
                                  [int(c) for c in args.concurrency.split(",")], args.duration_limit_s, options,
                                  item_ids=item_ids, tls_ca=args.tls_ca, timeout_s=args.timeout_s)
     if args.overload:
-        report["overload"] = overload(args.target, args.requests, args.overload, args.overload_methods.split(","),
-                                      {**options, "decoder": args.decoders.split(",")[0]}, args.tls_ca,
+        report["overload"] = overload(targets[decoders[0]], args.requests, args.overload,
+                                      args.overload_methods.split(","), {**options, "decoder": decoders[0]}, args.tls_ca,
                                       args.timeout_s, item_ids)
         for m, ms in report["overload"]["refusal_p99_ms"].items():
             print(f"overload {m}: {report['overload'][m]['codes']}, refusal p99 "

@@ -412,6 +412,27 @@ def test_loadtest_small(server):
     assert short["stopped_by"] == "duration" and short["requests_sent"] < 10_000
 
 
+def test_loadtest_matrix_sends_each_decoder_to_its_own_server(dirs, server):
+    """The AR rows time the AR model's server, the diffusion rows the student's (one server per
+    model), and `--target` says which is which."""
+    from reranker.service.loadtest import loadtest_matrix, parse_targets
+
+    assert parse_targets("h:1", ["ar", "diffusion"]) == {"ar": "h:1", "diffusion": "h:1"}
+    assert parse_targets("ar=h:1, diffusion=h:2", ["ar", "diffusion"]) == {"ar": "h:1", "diffusion": "h:2"}
+    for spec, msg in [("ar=h:1", r"no server for decoders \['diffusion'\]"), ("ar=h:1,ar=h:2", "given twice"),
+                      ("ar=h:1,diffusion=h:2,ar_lookup=h:3", "not in --decoders"), ("ar=,diffusion=h:2", "DECODER=")]:
+        with pytest.raises(ValueError, match=msg):
+            parse_targets(spec, ["ar", "diffusion"])
+    with BackgroundServer(RerankEngine.load(dirs["model"], dirs["data"]), config(max_batch=2)) as ar_server:
+        ar_server.warmed.result(120)
+        rep = loadtest_matrix({"ar": ar_server.target, "diffusion": server.target}, None, n_requests=4,
+                              decoders=("ar", "diffusion"), concurrencies=(2,), duration_limit_s=60,
+                              options={"max_new_tokens": 4}, item_ids=ITEMS)
+    assert [(r["options"]["decoder"], r["target"], r["ok"]) for r in rep["runs"]] == [
+        ("ar", ar_server.target, 4), ("diffusion", server.target, 4)]
+    assert set(rep["diffusion_over_ar_qps"]) == {"2"}
+
+
 # ---- Recommend: a real RecBole SASRec + FAISS index over the same 30 items ---------------------
 TINY_SASREC = {"epochs": 1, "hidden_size": 16, "inner_size": 32, "n_layers": 1, "n_heads": 1,
                "train_batch_size": 256, "MAX_ITEM_LIST_LENGTH": 10, "show_progress": False}
