@@ -57,6 +57,8 @@ def cmd_e2e(args) -> int:
     from ..e2e import format_e2e, parse_reranker, run_e2e
 
     cfg = load_config(args.config)
+    if args.run:
+        cfg["out"] = args.run  # the `dgr2 pipeline --out` directory: its retrieval and rerank_data
     rerankers = [parse_reranker(s) for s in args.reranker]
     if args.add_to and not (args.out and Path(args.out).is_file()):
         raise FileNotFoundError(f"--add-to needs an existing --out file, got {args.out!r}")
@@ -128,6 +130,8 @@ def add_baselines(sub) -> None:
 def add_e2e(sub) -> None:
     ee = sub.add_parser("e2e", help="RecBole Trainer.evaluate: SASRec alone vs SASRec + each re-ranker")
     ee.add_argument("--config", required=True)
+    ee.add_argument("--run", help="the `dgr2 pipeline --out` directory to read retrieval and re-ranking data from "
+                                  "(default: the config's out)")
     ee.add_argument("--reranker", action="append", default=[],
                     help="NAME=MODEL_DIR:DECODER (DECODER ar | ar_lookup | diffusion); repeat for more rows")
     ee.add_argument("--users", type=int, default=None, help="a seeded random sample of N test users (default: all)")

@@ -148,6 +148,14 @@ def test_bad_input_is_named(world, tmp_path, capsys):
     assert {"command", "commit", "date"} <= set(doc)
     assert (doc["n_users"], doc["user_sample_seed"], len(doc["rows"])) == (5, 3, 1)
     assert np.isfinite(doc["rows"][0]["ndcg@10"])
+    # --run reads a `dgr2 pipeline --out` directory in place of the config's out.
+    elsewhere = tmp_path / "elsewhere.yaml"
+    elsewhere.write_text(yaml.safe_dump({**cfg, "out": str(tmp_path / "not-here")}))
+    assert main(["e2e", "--config", str(elsewhere), "--users", "5", "--seed", "3"]) == 2
+    assert "sasrec.safetensors" in capsys.readouterr().err
+    assert main(["e2e", "--config", str(elsewhere), "--run", str(out), "--users", "5", "--seed", "3",
+                 "--out", str(res_path)]) == 0
+    assert json.loads(res_path.read_text())["rows"][0]["ndcg@10"] == doc["rows"][0]["ndcg@10"]
 
 
 def test_merge_into_adds_rows_only_for_the_same_users():

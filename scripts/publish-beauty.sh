@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# After `dgr2 pipeline --config configs/beauty.yaml --out RUN` has finished: the stage table, the
+# release bundle, and every published measurement of the released pair, in order. Each step leaves
+# a marker in RUN/publish/, so a killed call resumes at the step it was in (FORCE=1 redoes them all).
+# Run it from the repository root on an otherwise idle machine (the speed and load figures are
+# timings):
+#
+#   nohup env OMP_NUM_THREADS=2 scripts/publish-beauty.sh ../beauty-run > ../beauty-run/publish.log 2>&1 &
+set -euo pipefail
+
+RUN=${1:?usage: scripts/publish-beauty.sh RUN_DIR (the dgr2 pipeline --out directory)}
+BUNDLE=models/amazon-beauty
+DGR2=${DGR2:-.venv/bin/dgr2}
+AR_PORT=${AR_PORT:-50061}
+DIFF_PORT=${DIFF_PORT:-50062}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+mkdir -p "$RUN/publish"
+
+step() {  # step NAME COMMAND...: run COMMAND once; its marker says it finished
+  local name=$1; shift
+  if [[ -e "$RUN/publish/$name.done" && -z "${FORCE:-}" ]]; then
+    echo "[$name] done before, skipped"; return
+  fi
+  echo "[$name] $(date -u +%H:%M:%S) $*"
+  "$@"
+  date -u +%FT%TZ > "$RUN/publish/$name.done"
+}
+
+SERVERS=()
+stop_servers() { if ((${#SERVERS[@]})); then kill -TERM "${SERVERS[@]}" 2>/dev/null || true; wait "${SERVERS[@]}" 2>/dev/null || true; SERVERS=(); fi; }
+trap stop_servers EXIT
+
+serve_pair() {  # the AR teacher and the diffusion student, each its own server, for the loadtest
+  "$DGR2" serve --model "$BUNDLE/teacher" --port "$AR_PORT" --max-queue 40 --retrieval "$RUN/retrieval" &
+  SERVERS+=($!)
+  "$DGR2" serve --model "$BUNDLE/student" --port "$DIFF_PORT" --max-queue 40 --retrieval "$RUN/retrieval" &
+  SERVERS+=($!)
+  for port in "$AR_PORT" "$DIFF_PORT"; do
+    for _ in $(seq 120); do
+      "$DGR2" client health --target "127.0.0.1:$port" > /dev/null 2>&1 && break
+      sleep 2
+    done
+    "$DGR2" client health --target "127.0.0.1:$port"
+  done
+  # 5,000 requests per decoder and concurrency; the duration limit only guards against a hung server.
+  "$DGR2" loadtest --target "ar=127.0.0.1:$AR_PORT,diffusion=127.0.0.1:$DIFF_PORT" \
+    --requests "$BUNDLE/test.jsonl" --n 5000 --decoders ar,diffusion --concurrency 1,8,32 \
+    --duration-limit-s 7200 --overload 400 --out docs/results/service-load.json
+  stop_servers
+}
+
+# 1. The stage table of the finished run (a no-op pipeline call that writes the summary).
+step table "$DGR2" pipeline --config configs/beauty.yaml --out "$RUN" \
+  --record docs/results/pipeline-beauty.json --results docs/results/stages-beauty.json
+# 2. The AR teacher against the baselines on the same test users (issue: a re-ranker worth its cost).
+step report-ar "$DGR2" report ar --eval "$RUN/eval/AR_GR2.json" --data "$RUN/rerank_data" \
+  --out docs/results/rerank-ar-beauty.json
+# 3. The release bundle: teacher, final student, SIDs, test prompts, model card.
+step release "$DGR2" release --run "$RUN" --out "$BUNDLE" --force
+# 4. The bundle alone reproduces the final row (compare its Recall@1 with stages-beauty.json).
+step eval-bundle "$DGR2" eval --model "$BUNDLE/student" --data "$BUNDLE" \
+  --out docs/results/rerank-student-bundle-beauty.json
+# 5. Every decoder side by side on the released pair, then the independent-rows schedule at batch 8.
+step speed "$DGR2" speed --ar "$BUNDLE/teacher" --diffusion "$BUNDLE/student" --data "$BUNDLE" \
+  --batch-sizes 1,8 --taus 0.9,0.8,0.6 --accuracy-limit 500 --out docs/results/diffusion-speed-beauty.json
+step speed-independent "$DGR2" speed --ar "$BUNDLE/teacher" --diffusion "$BUNDLE/student" --data "$BUNDLE" \
+  --batch-sizes 8 --taus 0.9 --schedule independent --exact-decoders '' --lengths '' --forward-blocks '' \
+  --accuracy-limit 500 --out docs/results/diffusion-speed-beauty-independent.json
+# 6. The service under load, one server per model, plus a deliberate overload.
+step loadtest serve_pair
+# 7. RecBole's Trainer.evaluate on every test user: SASRec alone, + AR, + diffusion.
+step e2e "$DGR2" e2e --config configs/beauty.yaml --run "$RUN" \
+  --reranker "AR GR2=$BUNDLE/teacher:ar" --reranker "diffusion=$BUNDLE/student:diffusion" \
+  --batch-size 8 --out docs/results/recbole-e2e-beauty.json
+# 8. docs/BENCHMARKS.md and its plots from the result files.
+step bench "$DGR2" bench
+echo "published: $(date -u +%FT%TZ)"
