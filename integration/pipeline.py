@@ -5,7 +5,9 @@ same settings (a hash of the settings that feed it, chained from the step before
 stages also resume from their last checkpoint after an interruption (reranker/stages/pipeline.py).
 
     <out>/retrieval/        dgr2 retrieve artifacts
-    <out>/rerank_data/      dgr2 data build output (+ baselines.json)
+    <out>/rerank_data/      dgr2 data build output
+    <out>/baselines.json    the non-LM baselines on the test users (outside rerank_data: every
+                            stage's identity hashes that directory's top-level files)
     <out>/models/init/      the initial model
     <out>/runs/ar/          sft, ar_rl   (model dirs under <id>/model)
     <out>/models/naive/     the converted, untrained diffusion model
@@ -43,7 +45,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     from candidate_gen.retrieve import run_retrieval
     from reranker.data.dataset import build_rerank_data
     from reranker.diffusion.convert import convert_to_diffusion
-    from reranker.eval.baselines import run_baselines
+    from reranker.eval.baselines import BASELINES_VERSION, run_baselines
     from reranker.stages.base import read_done
     from reranker.stages.pipeline import model_fingerprint, run_pipeline
     from reranker.training.init_model import init_model
@@ -81,9 +83,14 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     else:
         _step("data", 2, n_steps, "semantic IDs, tokenizer, teacher traces")
         build_rerank_data(rs.out, items_path, data_dir, seed=seed, **dcfg)
-        baselines = run_baselines(data_dir, n_boot=int(section(cfg, "eval").get("n_boot", 2000)), seed=seed)
-        atomic_write_text(data_dir / "baselines.json", json.dumps(baselines, indent=2))
         mark_step(data_dir / ".pipeline_done.json", h_data, seconds=time.time() - t)
+    # The non-LM baselines; a stored file made by another version of them is made again.
+    baselines_path = out / "baselines.json"
+    stored = json.loads(baselines_path.read_text()) if baselines_path.is_file() else {}
+    if stored.get("version") != BASELINES_VERSION:
+        _step("data", 2, n_steps, "non-LM baselines on the test users")
+        baselines = run_baselines(data_dir, n_boot=int(section(cfg, "eval").get("n_boot", 2000)), seed=seed)
+        atomic_write_text(baselines_path, json.dumps(baselines, indent=2))
     timings["data"] = time.time() - t
     if only_until == "data":
         return {"retrieval": retrieval}
@@ -194,7 +201,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     rows += [{"name": rep["label"], **{k: rep.get(k) for k in keep}} for rep in table]
     for row in rows[1:]:  # a row's model relative to the run directory: the run can move, `dgr2 release` reads it
         row["model"] = os.path.relpath(Path(row["model"]).resolve(), out.resolve())
-    baselines = json.loads((data_dir / "baselines.json").read_text())
+    baselines = json.loads(baselines_path.read_text())
     summary = {"name": cfg.get("name"), "test_users": table[0]["n"] if table else 0,
                "tau": next((r["tau"] for r in table if r.get("decoder") == "diffusion"), None), "block_size": block, "rows": rows,
                "retrieval": {k: retrieval.get(k) for k in

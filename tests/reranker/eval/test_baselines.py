@@ -98,6 +98,25 @@ def test_baselines_are_seeded_and_paths_come_from_build_info(built):
     assert a == b
 
 
+def test_learned_scorer_is_fitted_on_every_validation_position_list_outside_test(built):
+    """The baseline scorer learns from the lists made like the test lists (the train split's
+    validation-position lists and the selection users' valid split), not the data build's scorer."""
+    from candidate_gen.split import train_sequences
+    from reranker.data.dataset import load_split
+    from reranker.data.features import FeatureContext
+    from reranker.eval.baselines import fit_learned_scorer
+
+    data, r, items = built
+    train, valid = load_split(data, "train"), load_split(data, "valid")
+    n_valid_source = sum(row["source"] == "valid" for row in train)
+    assert 0 < n_valid_source < len(train) and len(valid) == 10
+    ctx = FeatureContext(train_sequences(json.loads((r / "sequences.json").read_text())), {})
+    scorer = fit_learned_scorer(data, ctx)
+    assert scorer.info["baseline_lists"] == n_valid_source + len(valid)
+    saved = json.loads((data / "scorer" / "scorer.json").read_text())["info"]["config"]
+    assert scorer.info["config"]["n_estimators"] == saved["n_estimators"] == 60  # the build's settings
+
+
 def test_copurchase_sort_breaks_ties_by_retriever_order(built):
     from candidate_gen.split import train_sequences
     from reranker.data.features import FeatureContext
