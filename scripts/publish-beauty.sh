@@ -52,7 +52,9 @@ serve_pair() {  # the AR teacher and the diffusion student, each its own server,
 # 1. The stage table of the finished run (a no-op pipeline call that writes the summary).
 step table "$DGR2" pipeline --config configs/beauty.yaml --out "$RUN" \
   --record docs/results/pipeline-beauty.json --results docs/results/stages-beauty.json
-# 2. The AR teacher against the baselines on the same test users (issue: a re-ranker worth its cost).
+# 2. The non-LM baselines, and the AR teacher against them on the same test users.
+step baselines "$DGR2" baselines --config configs/beauty.yaml --data-dir "$RUN/rerank_data" \
+  --results docs/results/rerank-baselines-beauty.json
 step report-ar "$DGR2" report ar --eval "$RUN/eval/AR_GR2.json" --data "$RUN/rerank_data" \
   --out docs/results/rerank-ar-beauty.json
 # 3. The release bundle: teacher, final student, SIDs, test prompts, model card.
