@@ -1,8 +1,8 @@
 """Micro-batching: concurrent requests with the same decode options share one batched decode.
 
 One dispatcher task owns the queue. It takes the oldest request, waits at most `max_wait_ms` after
-that request arrived for others with the same key (up to `max_batch`), and runs the batch on a
-single worker thread, so the event loop keeps answering health checks and rejecting overload while
+that request arrived for others with the same key (up to `max_batch`, or the request's own `limit`:
+the server caps each decoder's batches on its own), and runs the batch on a single worker thread, so the event loop keeps answering health checks and rejecting overload while
 the model decodes. Requests that arrive during a decode queue up and form the next batch.
 
 The queue is bounded by admission: `admit()` raises QueueFull at once, with no await, when
@@ -48,6 +48,7 @@ class _Job:
     future: asyncio.Future
     enqueued: float = field(default_factory=time.monotonic)
     gone: bool = False  # the caller stopped waiting
+    limit: int | None = None  # the most requests its batch may hold (None: the batcher's max_batch)
 
 
 class Admission:
@@ -122,9 +123,11 @@ class MicroBatcher:
         """Run fn on the decode thread, between batches (warm-up uses the model there too)."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    async def submit(self, item: Any, key: Hashable, admission: Admission | None = None) -> Outcome:
+    async def submit(self, item: Any, key: Hashable, admission: Admission | None = None,
+                     limit: int | None = None) -> Outcome:
         """Queue `item` under `admission` (None: admit it here, and release when answered), wait for
-        its batch. Raises QueueFull immediately when no place is free; cancelling the caller removes
+        its batch, which holds at most `limit` requests (None: max_batch; requests with one key have
+        one limit). Raises QueueFull immediately when no place is free; cancelling the caller removes
         the item from the queue (or marks it gone if running)."""
         own = admission is None
         if own:
@@ -132,7 +135,7 @@ class MicroBatcher:
         elif self._task is None or self._task.done():
             raise BatcherClosed("the batcher is not running")
         try:
-            job = _Job(item, key, asyncio.get_running_loop().create_future())
+            job = _Job(item, key, asyncio.get_running_loop().create_future(), limit=limit)
             self._pending.append(job)
             self._wakeup.set()
             try:
@@ -154,16 +157,17 @@ class MicroBatcher:
                 await self._wakeup.wait()
                 continue
             head = self._pending[0]
-            # wait for company: until max_batch same-key requests or max_wait after the head arrived
+            cap = head.limit or self.max_batch
+            # wait for company: until `cap` same-key requests or max_wait after the head arrived
             until = head.enqueued + self.max_wait
-            while (sum(j.key == head.key for j in self._pending) < self.max_batch
+            while (sum(j.key == head.key for j in self._pending) < cap
                    and (left := until - time.monotonic()) > 0 and not head.gone):
                 self._wakeup.clear()
                 try:
                     await asyncio.wait_for(self._wakeup.wait(), left)
                 except asyncio.TimeoutError:
                     break
-            batch = [j for j in self._pending if j.key == head.key and not j.gone][:self.max_batch]
+            batch = [j for j in self._pending if j.key == head.key and not j.gone][:cap]
             for j in batch:
                 self._pending.remove(j)
             if not batch:

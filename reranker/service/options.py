@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from ..decoding import DecodeOptions, add_decode_flags, check_recorded
+from ..decoding import DECODERS, DecodeOptions, add_decode_flags, check_recorded
 
 # The decode settings a server may set for requests that send none (the rest are the model's).
 SERVER_DECODE_FLAGS = ("decoder", "tau", "commit_rule", "hold_eos", "temperature")
@@ -45,6 +45,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0: any free port (see RunningServer.port)
     max_batch: int = 8
+    # per decoder, over max_batch: on a CPU a block-diffusion step costs more per row than an AR step
+    # (every row runs its whole block), so diffusion may serve more per second in smaller batches
+    decoder_max_batch: dict = field(default_factory=dict)
     max_wait_ms: float = 5.0
     max_queue: int = 64  # requests admitted at once, the decoding batch included
     tls_cert: str | None = None  # PEM files; both or neither
@@ -53,6 +56,38 @@ class ServerConfig:
     warmup: bool = True
     metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0: off
     limits: ServiceLimits = field(default_factory=ServiceLimits)
+
+
+    def __post_init__(self):
+        self.decoder_max_batch = check_decoder_max_batch(self.decoder_max_batch)
+
+
+def check_decoder_max_batch(caps) -> dict:
+    """{decoder: batch cap}: known decoders, caps >= 1."""
+    out = {}
+    for name, cap in dict(caps or {}).items():
+        if name not in DECODERS:
+            raise ValueError(f"decoder_max_batch: unknown decoder {name!r}; known: {list(DECODERS)}")
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            raise ValueError(f"decoder_max_batch[{name!r}] must be an int >= 1, got {cap!r}")
+        out[name] = cap
+    return out
+
+
+def parse_decoder_max_batch(spec: str) -> dict:
+    """`--decoder-max-batch diffusion=2,ar=8` as {decoder: cap} (argparse type)."""
+    out = {}
+    for part in (p.strip() for p in (spec or "").split(",")):
+        if not part:
+            continue
+        name, sep, value = part.partition("=")
+        if not sep or not value.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"expected DECODER=N[,DECODER=N], got {part!r}")
+        out[name.strip()] = int(value)
+    try:
+        return check_decoder_max_batch(out)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,6 +101,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=d.port, help="0: any free port")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="requests per batched decode")
+    p.add_argument("--decoder-max-batch", type=parse_decoder_max_batch, default={}, metavar="DECODER=N[,...]",
+                   help="a decoder's own cap over --max-batch, e.g. diffusion=2")
     p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms, help="how long a batch waits to fill")
     p.add_argument("--max-queue", type=int, default=d.max_queue,
                    help="requests admitted at once, the decoding batch included; one more gets RESOURCE_EXHAUSTED "

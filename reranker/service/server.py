@@ -45,7 +45,8 @@ from ..decoding import DecodeOptions, resolve
 from ..engine import RerankRequest, RerankResult
 from .batcher import Admission, BatcherClosed, MicroBatcher, QueueFull
 from .metrics import ServiceMetrics
-from .options import CANDIDATES_CAP, SERVER_DECODE_FLAGS, ServerConfig, ServiceLimits, add_serve_arguments
+from .options import (CANDIDATES_CAP, SERVER_DECODE_FLAGS, ServerConfig, ServiceLimits, add_serve_arguments,
+                      check_decoder_max_batch)
 from .validation import (Prepared, ValidationError, build_response, truncate_history, validate_options,
                          validate_rerank)
 
@@ -108,8 +109,9 @@ def fitting_candidates(engine, max_new_tokens: int, cap: int = CANDIDATES_CAP) -
 
 class RerankerService(pb_grpc.RerankerServicer):
     def __init__(self, engine, limits: ServiceLimits | None = None, retriever=None, max_batch: int = 8,
-                 max_wait_ms: float = 5.0, max_queue: int = 64):
+                 max_wait_ms: float = 5.0, max_queue: int = 64, decoder_max_batch: dict | None = None):
         self.engine = engine
+        self.decoder_max_batch = check_decoder_max_batch(decoder_max_batch)
         limits = limits or ServiceLimits()
         self.diffusion_available = getattr(engine, "diffusion", None) is not None
         self.defaults = default_options(engine, limits)
@@ -243,7 +245,8 @@ class RerankerService(pb_grpc.RerankerServicer):
         if remaining is not None and remaining <= 0:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the request was queued")
         try:
-            submit = self.batcher.submit(prep, prep.batch_key, admission)
+            submit = self.batcher.submit(prep, prep.batch_key, admission,
+                                         limit=self.decoder_max_batch.get(prep.options.decoder))
             outcome = await (asyncio.wait_for(submit, remaining) if remaining is not None else submit)
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -468,7 +471,7 @@ async def start_server(engine, config: ServerConfig | None = None, retriever=Non
         ("grpc.so_reuseport", 0),  # a busy port is an error, not a silently shared one
     ])
     service = RerankerService(engine, config.limits, retriever, config.max_batch, config.max_wait_ms,
-                              config.max_queue)
+                              config.max_queue, config.decoder_max_batch)
     add_reranker_service(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(service.health, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -569,7 +572,7 @@ class BackgroundServer:
 def serve(model_dir, data_dir, retrieval_dir=None, host: str = "127.0.0.1", port: int = 50051, max_batch: int = 8,
           max_wait_ms: float = 5.0, max_queue: int = 64, tls_cert=None, tls_key=None, device: str = "cpu",
           drain_grace_s: float = 30.0, limits: ServiceLimits | None = None, metrics_port: int = 0,
-          exit_process: bool = True) -> int:
+          exit_process: bool = True, decoder_max_batch: dict | None = None) -> int:
     """Load the engine (and the retriever, if given) and serve until SIGTERM/SIGINT, then end the
     process (exit_process) or return 0.
 
@@ -588,7 +591,8 @@ def serve(model_dir, data_dir, retrieval_dir=None, host: str = "127.0.0.1", port
     log.info("loaded the model%s in %.1f s", " and the retriever" if retriever else "", time.perf_counter() - t0)
     config = ServerConfig(host=host, port=port, max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue,
                           tls_cert=str(tls_cert) if tls_cert else None, tls_key=str(tls_key) if tls_key else None,
-                          drain_grace_s=drain_grace_s, metrics_port=metrics_port, limits=limits or ServiceLimits())
+                          drain_grace_s=drain_grace_s, metrics_port=metrics_port, limits=limits or ServiceLimits(),
+                          decoder_max_batch=dict(decoder_max_batch or {}))
     asyncio.run(run_until_signalled(engine, config, retriever))
     if exit_process:
         _exit_now(0)
@@ -613,7 +617,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
                            recommend_candidates=args.recommend_candidates, decode=decode)
     return serve(args.model, args.data, args.retrieval, args.host, args.port, args.max_batch, args.max_wait_ms,
                  args.max_queue, args.tls_cert, args.tls_key, args.device, args.drain_grace_s, limits,
-                 metrics_port=args.metrics_port)
+                 metrics_port=args.metrics_port, decoder_max_batch=args.decoder_max_batch)
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,7 @@
 """The gRPC service: real tiny engine for the decode path, a slow fake only for queue/deadline/drain timing."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import queue
@@ -194,6 +195,25 @@ def test_micro_batching_groups_same_options(server):
     assert all(r.stats.decoder == "diffusion" and r.stats.batch_size <= 2 for r in other)
     for r in same + other:
         assert sorted(it.previous_rank for it in r.items) == [1, 2, 3, 4, 5]
+
+
+def test_a_decoder_can_have_its_own_batch_cap(engine):
+    """`--decoder-max-batch diffusion=1`: diffusion requests decode one at a time while AR ones
+    still share a decode (max_batch 4); a bad cap is refused at configuration."""
+    from reranker.service.options import parse_decoder_max_batch
+
+    assert parse_decoder_max_batch("diffusion=1, ar=8") == {"diffusion": 1, "ar": 8}
+    for bad, msg in [("beam=2", "unknown decoder 'beam'"), ("diffusion=0", ">= 1"), ("diffusion", "DECODER=N")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=msg):
+            parse_decoder_max_batch(bad)
+    cfg = config(max_batch=4, max_wait_ms=300, decoder_max_batch={"diffusion": 1})
+    with BackgroundServer(engine, cfg) as srv, RerankerClient(srv.target) as c, ThreadPoolExecutor(8) as pool:
+        srv.warmed.result(120)
+        ar = [pool.submit(c.rerank, ITEMS[k:k + 5], max_new_tokens=8, decoder="ar") for k in range(4)]
+        diff = [pool.submit(c.rerank, ITEMS[k:k + 5], max_new_tokens=8, decoder="diffusion") for k in range(4)]
+        ar, diff = [f.result(60) for f in ar], [f.result(60) for f in diff]
+    assert max(r.stats.batch_size for r in ar) >= 2
+    assert [r.stats.batch_size for r in diff] == [1, 1, 1, 1]
 
 
 def test_one_unrenderable_request_does_not_fail_its_batch(dirs):
