@@ -13,6 +13,7 @@ BUNDLE=models/amazon-beauty
 DGR2=${DGR2:-.venv/bin/dgr2}
 AR_PORT=${AR_PORT:-50061}
 DIFF_PORT=${DIFF_PORT:-50062}
+WORKERS=${WORKERS:-2}  # decode workers per server, one torch thread each on 2 cores
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 mkdir -p "$RUN/publish"
 
@@ -31,9 +32,11 @@ stop_servers() { if ((${#SERVERS[@]})); then kill -TERM "${SERVERS[@]}" 2>/dev/n
 trap stop_servers EXIT
 
 serve_pair() {  # the AR teacher and the diffusion student, each its own server, for the loadtest
-  "$DGR2" serve --model "$BUNDLE/teacher" --port "$AR_PORT" --max-queue 40 --retrieval "$RUN/retrieval" &
+  "$DGR2" serve --model "$BUNDLE/teacher" --port "$AR_PORT" --max-queue 40 --decode-workers "$WORKERS" \
+    --retrieval "$RUN/retrieval" &
   SERVERS+=($!)
-  "$DGR2" serve --model "$BUNDLE/student" --port "$DIFF_PORT" --max-queue 40 --retrieval "$RUN/retrieval" &
+  "$DGR2" serve --model "$BUNDLE/student" --port "$DIFF_PORT" --max-queue 40 --decode-workers "$WORKERS" \
+    --retrieval "$RUN/retrieval" &
   SERVERS+=($!)
   for port in "$AR_PORT" "$DIFF_PORT"; do
     for _ in $(seq 120); do

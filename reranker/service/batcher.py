@@ -2,14 +2,18 @@
 
 One dispatcher task owns the queue. It takes the oldest request, waits at most `max_wait_ms` after
 that request arrived for others with the same key (up to `max_batch`, or the request's own `limit`:
-the server caps each decoder's batches on its own), and runs the batch on a single worker thread, so the event loop keeps answering health checks and rejecting overload while
-the model decodes. Requests that arrive during a decode queue up and form the next batch.
+the server caps each decoder's batches on its own), and runs the batch on a decode worker thread,
+so the event loop keeps answering health checks and rejecting overload while the model decodes.
+With `workers` threads, up to that many batches decode at once; the next batch is formed only when
+a worker is free, so requests that arrive meanwhile queue up and batch together. (On a 2-core CPU,
+two workers of one torch thread each served 1.9-2.4x the requests of one worker of two threads:
+docs/EXPERIMENTS.md.)
 
 The queue is bounded by admission: `admit()` raises QueueFull at once, with no await, when
-`max_queue` requests are already admitted (waiting, or in the batch being decoded, until their
+`max_queue` requests are already admitted (waiting, or in a batch being decoded, until their
 caller is answered). A handler admits first and only then retrieves, renders and submits, so a
 refusal costs no work. A request whose caller went away (deadline, cancellation) is removed from the
-queue; if every request of the running batch went away, `should_stop()` turns true for the batch
+queue; if every request of a running batch went away, `should_stop()` turns true for its batch
 function, which is expected to abandon the decode (server.py does it between forward passes).
 """
 from __future__ import annotations
@@ -76,20 +80,23 @@ BatchFn = Callable[[list, Hashable, Callable[[], bool]], list]
 
 
 class MicroBatcher:
-    def __init__(self, run_batch: BatchFn, max_batch: int = 8, max_wait_ms: float = 5.0, max_queue: int = 64):
-        if max_batch < 1 or max_queue < 1 or max_wait_ms < 0:
-            raise ValueError(f"need max_batch >= 1, max_queue >= 1, max_wait_ms >= 0; got "
-                             f"{max_batch}, {max_queue}, {max_wait_ms}")
+    def __init__(self, run_batch: BatchFn, max_batch: int = 8, max_wait_ms: float = 5.0, max_queue: int = 64,
+                 workers: int = 1):
+        if max_batch < 1 or max_queue < 1 or max_wait_ms < 0 or workers < 1:
+            raise ValueError(f"need max_batch >= 1, max_queue >= 1, max_wait_ms >= 0, workers >= 1; got "
+                             f"{max_batch}, {max_queue}, {max_wait_ms}, {workers}")
         self.run_batch = run_batch
         self.max_batch = int(max_batch)
         self.max_wait = float(max_wait_ms) / 1000.0
         self.max_queue = int(max_queue)
         self._pending: list[_Job] = []  # arrival order, not yet in a batch
         self._wakeup = asyncio.Event()
-        # one thread: batches run one at a time (one model), in arrival order
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="rerank-decode")
+        # `workers` threads share the one model (inference only: no state changes between calls)
+        self.workers = int(workers)
+        self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="rerank-decode")
+        self._free = asyncio.Semaphore(self.workers)  # a worker for the next batch
         self._task: asyncio.Task | None = None
-        self._current: list[_Job] = []  # the batch being decoded
+        self._runs: dict[asyncio.Task, list[_Job]] = {}  # the batches being decoded
         self._admitted = 0  # places held (Admission): waiting, decoding, or being prepared by a handler
         self.batches = 0
 
@@ -113,14 +120,15 @@ class MicroBatcher:
 
     @property
     def running(self) -> int:
-        return len(self._current)
+        """Requests in batches being decoded."""
+        return sum(len(batch) for batch in self._runs.values())
 
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._dispatch(), name="micro-batcher")
 
     async def run_in_worker(self, fn: Callable, *args):
-        """Run fn on the decode thread, between batches (warm-up uses the model there too)."""
+        """Run fn on a decode thread (warm-up uses the model there too)."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def submit(self, item: Any, key: Hashable, admission: Admission | None = None,
@@ -156,6 +164,10 @@ class MicroBatcher:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            await self._free.acquire()  # released when the batch's run ends
+            if not self._pending:  # every waiting caller left while the workers were busy
+                self._free.release()
+                continue
             head = self._pending[0]
             cap = head.limit or self.max_batch
             # wait for company: until `cap` same-key requests or max_wait after the head arrived
@@ -171,12 +183,18 @@ class MicroBatcher:
             for j in batch:
                 self._pending.remove(j)
             if not batch:
+                self._free.release()
                 continue
-            await self._run(loop, batch)
+            run = loop.create_task(self._run(loop, batch), name="micro-batch")
+            self._runs[run] = batch
+            run.add_done_callback(self._ran)
+
+    def _ran(self, run: asyncio.Task) -> None:
+        self._runs.pop(run, None)
+        self._free.release()
 
     async def _run(self, loop, batch: list[_Job]) -> None:
         start = time.monotonic()
-        self._current = batch
         self.batches += 1
         try:
             results = await loop.run_in_executor(self._executor, self.run_batch, [j.item for j in batch],
@@ -186,8 +204,6 @@ class MicroBatcher:
         except Exception as e:  # noqa: BLE001 -- every caller of the batch gets the error
             log.exception("batch of %d failed", len(batch))
             results = [e] * len(batch)
-        finally:
-            self._current = []
         decode_ms = (time.monotonic() - start) * 1000.0
         for j, r in zip(batch, results):
             if not j.future.done():  # a caller that gave up has a cancelled future
@@ -195,16 +211,19 @@ class MicroBatcher:
 
     async def close(self) -> None:
         """Stop dispatching; queued requests fail with BatcherClosed. A running decode is not waited for."""
-        running = list(self._current)  # cancelling the task clears _current
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        running = [j for batch in self._runs.values() for j in batch]
+        for task in [self._task, *self._runs]:
+            if task is not None:
+                task.cancel()
+        for task in [self._task, *self._runs]:
+            if task is not None:
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         for j in self._pending + running:
             if not j.future.done():
                 j.future.set_exception(BatcherClosed("server shutting down"))
         self._pending.clear()
-        self._current = []
+        self._runs.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)

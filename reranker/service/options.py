@@ -48,6 +48,8 @@ class ServerConfig:
     # per decoder, over max_batch: on a CPU a block-diffusion step costs more per row than an AR step
     # (every row runs its whole block), so diffusion may serve more per second in smaller batches
     decoder_max_batch: dict = field(default_factory=dict)
+    # decode threads sharing the model; `serve` gives each cores / workers torch threads
+    decode_workers: int = 1
     max_wait_ms: float = 5.0
     max_queue: int = 64  # requests admitted at once, the decoding batch included
     tls_cert: str | None = None  # PEM files; both or neither
@@ -60,6 +62,8 @@ class ServerConfig:
 
     def __post_init__(self):
         self.decoder_max_batch = check_decoder_max_batch(self.decoder_max_batch)
+        if isinstance(self.decode_workers, bool) or not isinstance(self.decode_workers, int) or self.decode_workers < 1:
+            raise ValueError(f"decode_workers must be an int >= 1, got {self.decode_workers!r}")
 
 
 def check_decoder_max_batch(caps) -> dict:
@@ -103,6 +107,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="requests per batched decode")
     p.add_argument("--decoder-max-batch", type=parse_decoder_max_batch, default={}, metavar="DECODER=N[,...]",
                    help="a decoder's own cap over --max-batch, e.g. diffusion=2")
+    p.add_argument("--decode-workers", type=int, default=d.decode_workers,
+                   help="batches decoded at once, each on its own thread with torch threads / N intra-op threads "
+                        "(on a 2-core CPU, 2 workers of 1 thread served about twice the requests of 1 of 2)")
     p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms, help="how long a batch waits to fill")
     p.add_argument("--max-queue", type=int, default=d.max_queue,
                    help="requests admitted at once, the decoding batch included; one more gets RESOURCE_EXHAUSTED "

@@ -109,7 +109,8 @@ def fitting_candidates(engine, max_new_tokens: int, cap: int = CANDIDATES_CAP) -
 
 class RerankerService(pb_grpc.RerankerServicer):
     def __init__(self, engine, limits: ServiceLimits | None = None, retriever=None, max_batch: int = 8,
-                 max_wait_ms: float = 5.0, max_queue: int = 64, decoder_max_batch: dict | None = None):
+                 max_wait_ms: float = 5.0, max_queue: int = 64, decoder_max_batch: dict | None = None,
+                 decode_workers: int = 1):
         self.engine = engine
         self.decoder_max_batch = check_decoder_max_batch(decoder_max_batch)
         limits = limits or ServiceLimits()
@@ -124,7 +125,7 @@ class RerankerService(pb_grpc.RerankerServicer):
         self.limits = limits
         self.retriever = retriever
         self.health = health.aio.HealthServicer()
-        self.batcher = MicroBatcher(self._decode_batch, max_batch, max_wait_ms, max_queue)
+        self.batcher = MicroBatcher(self._decode_batch, max_batch, max_wait_ms, max_queue, decode_workers)
         self.metrics = ServiceMetrics(lambda: self.batcher.admitted)
         # Prompts render on their own thread: the event loop stays free to refuse and answer while a
         # long prompt tokenizes, and one thread keeps renders (the tokenizer) in arrival order.
@@ -471,7 +472,7 @@ async def start_server(engine, config: ServerConfig | None = None, retriever=Non
         ("grpc.so_reuseport", 0),  # a busy port is an error, not a silently shared one
     ])
     service = RerankerService(engine, config.limits, retriever, config.max_batch, config.max_wait_ms,
-                              config.max_queue, config.decoder_max_batch)
+                              config.max_queue, config.decoder_max_batch, config.decode_workers)
     add_reranker_service(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(service.health, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -572,7 +573,7 @@ class BackgroundServer:
 def serve(model_dir, data_dir, retrieval_dir=None, host: str = "127.0.0.1", port: int = 50051, max_batch: int = 8,
           max_wait_ms: float = 5.0, max_queue: int = 64, tls_cert=None, tls_key=None, device: str = "cpu",
           drain_grace_s: float = 30.0, limits: ServiceLimits | None = None, metrics_port: int = 0,
-          exit_process: bool = True, decoder_max_batch: dict | None = None) -> int:
+          exit_process: bool = True, decoder_max_batch: dict | None = None, decode_workers: int = 1) -> int:
     """Load the engine (and the retriever, if given) and serve until SIGTERM/SIGINT, then end the
     process (exit_process) or return 0.
 
@@ -581,6 +582,13 @@ def serve(model_dir, data_dir, retrieval_dir=None, host: str = "127.0.0.1", port
     unload torch and its peers, seconds after "stopped"."""
     from ..engine import RerankEngine
 
+    config = ServerConfig(host=host, port=port, max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue,
+                          tls_cert=str(tls_cert) if tls_cert else None, tls_key=str(tls_key) if tls_key else None,
+                          drain_grace_s=drain_grace_s, metrics_port=metrics_port, limits=limits or ServiceLimits(),
+                          decoder_max_batch=dict(decoder_max_batch or {}), decode_workers=decode_workers)
+    if config.decode_workers > 1:  # the workers share the cores: each op runs on its share, not on all of them
+        torch.set_num_threads(max(1, torch.get_num_threads() // config.decode_workers))
+    log.info("%d decode worker(s), %d torch thread(s) each", config.decode_workers, torch.get_num_threads())
     t0 = time.perf_counter()
     engine = RerankEngine.load(model_dir, data_dir, device)
     retriever = None
@@ -589,10 +597,6 @@ def serve(model_dir, data_dir, retrieval_dir=None, host: str = "127.0.0.1", port
 
         retriever = Retriever.load(retrieval_dir, device)
     log.info("loaded the model%s in %.1f s", " and the retriever" if retriever else "", time.perf_counter() - t0)
-    config = ServerConfig(host=host, port=port, max_batch=max_batch, max_wait_ms=max_wait_ms, max_queue=max_queue,
-                          tls_cert=str(tls_cert) if tls_cert else None, tls_key=str(tls_key) if tls_key else None,
-                          drain_grace_s=drain_grace_s, metrics_port=metrics_port, limits=limits or ServiceLimits(),
-                          decoder_max_batch=dict(decoder_max_batch or {}))
     asyncio.run(run_until_signalled(engine, config, retriever))
     if exit_process:
         _exit_now(0)
@@ -617,7 +621,8 @@ def serve_from_args(args: argparse.Namespace) -> int:
                            recommend_candidates=args.recommend_candidates, decode=decode)
     return serve(args.model, args.data, args.retrieval, args.host, args.port, args.max_batch, args.max_wait_ms,
                  args.max_queue, args.tls_cert, args.tls_key, args.device, args.drain_grace_s, limits,
-                 metrics_port=args.metrics_port, decoder_max_batch=args.decoder_max_batch)
+                 metrics_port=args.metrics_port, decoder_max_batch=args.decoder_max_batch,
+                 decode_workers=args.decode_workers)
 
 
 def main(argv=None) -> int:

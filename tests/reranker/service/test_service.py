@@ -308,6 +308,31 @@ def test_overload_is_rejected_fast_and_accepted_complete():
     assert sum(len(b) for b in eng.finished) == len(ok) + 2  # +2: warm-up and the connect call
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_decode_workers_decode_that_many_batches_at_once(workers):
+    """`--decode-workers N`: N batches decode at once (each on its own thread); with one, the
+    second request waits for the first."""
+    eng = SlowEngine(step_s=0.0)
+    with BackgroundServer(eng, slow_config(max_batch=1, max_wait_ms=0, decode_workers=workers)) as srv, \
+            RerankerClient(srv.target) as c, ThreadPoolExecutor(2) as pool:
+        srv.warmed.result(30)
+        eng.gate.clear()  # decodes block until the gate opens
+
+        async def counts():
+            return srv.service.batcher.running, srv.service.batcher.queued
+
+        calls = [pool.submit(c.rerank, ITEMS[:3], max_new_tokens=2, user_id=f"u{k}") for k in range(2)]
+        deadline = time.monotonic() + 30
+        while srv.call(counts()) != (workers, 2 - workers) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        seen = srv.call(counts())
+        eng.gate.set()
+        assert [len(f.result(30).items) for f in calls] == [3, 3]
+    assert seen == (workers, 2 - workers)
+    with pytest.raises(ValueError, match="decode_workers"):
+        slow_config(decode_workers=0)
+
+
 def test_deadline_while_decoding_abandons_the_work():
     eng = SlowEngine(step_s=0.01)
     with BackgroundServer(eng, slow_config(max_batch=1)) as srv, RerankerClient(srv.target) as c:
