@@ -65,9 +65,13 @@ step release "$DGR2" release --run "$RUN" --out "$BUNDLE" --force
 # 4. The bundle alone reproduces the final row (compare its Recall@1 with stages-beauty.json).
 step eval-bundle "$DGR2" eval --model "$BUNDLE/student" --data "$BUNDLE" \
   --out docs/results/rerank-student-bundle-beauty.json
-# 5. Every decoder side by side on the released pair, then the independent-rows schedule at batch 8.
+# 5. Every decoder side by side on the released pair (two threads, then one: small decode steps split
+#    poorly over two threads here), then the independent-rows schedule at batch 8.
 step speed "$DGR2" speed --ar "$BUNDLE/teacher" --diffusion "$BUNDLE/student" --data "$BUNDLE" \
   --batch-sizes 1,8 --taus 0.9,0.8,0.6 --accuracy-limit 500 --out docs/results/diffusion-speed-beauty.json
+step speed-1-thread "$DGR2" speed --ar "$BUNDLE/teacher" --diffusion "$BUNDLE/student" --data "$BUNDLE" \
+  --threads 1 --batch-sizes 1,8 --taus 0.9 --no-accuracy --lengths '' --forward-blocks '' \
+  --out docs/results/diffusion-speed-beauty-1thread.json
 step speed-independent "$DGR2" speed --ar "$BUNDLE/teacher" --diffusion "$BUNDLE/student" --data "$BUNDLE" \
   --batch-sizes 8 --taus 0.9 --schedule independent --exact-decoders '' --lengths '' --forward-blocks '' \
   --accuracy-limit 500 --out docs/results/diffusion-speed-beauty-independent.json
