@@ -35,7 +35,7 @@ DEFAULT_MAX_NEW_TOKENS = 320
 MAX_BLOCK_SIZE = 256
 # The settings a model directory may record (config.json "decode_settings"). block_size is the
 # diffusion config's; max_steps_per_block and seed are run settings, not properties of a model.
-RECORDED = ("decoder", "tau", "commit_rule", "hold_eos", "max_new_tokens", "temperature")
+RECORDED = ("decoder", "tau", "commit_rule", "hold_eos", "max_new_tokens", "temperature", "window", "reuse_settled")
 MODEL_CONFIG_KEY = "decode_settings"
 
 
@@ -65,6 +65,9 @@ class DecodeOptions:
     seed: int = 0
     commit_rule: str = DEFAULT_COMMIT_RULE  # diffusion: "confidence" (the paper's) or "prefix" (left to right)
     hold_eos: bool = False  # diffusion: commit EOS only as the position a step must commit
+    # diffusion approximations that run fewer columns a step (reranker.diffusion.diffusion_decoder):
+    window: int | None = None  # run masked columns only this far past the leftmost one; None: the block
+    reuse_settled: bool = False  # keep the KVs of columns whose input and target are committed
 
     def validate(self, prefix: str = "") -> "DecodeOptions":
         """Raises ValueError naming the field (after `prefix`, e.g. "options.") and its value."""
@@ -92,6 +95,10 @@ class DecodeOptions:
         check_commit_rule(self.commit_rule, prefix + "commit_rule")
         if not isinstance(self.hold_eos, bool):
             bad("hold_eos", f"must be true or false, got {self.hold_eos!r}")
+        if self.window is not None and (not _is_int(self.window) or not 1 <= self.window <= MAX_BLOCK_SIZE):
+            bad("window", f"must be in [1, {MAX_BLOCK_SIZE}] or unset, got {self.window!r}")
+        if not isinstance(self.reuse_settled, bool):
+            bad("reuse_settled", f"must be true or false, got {self.reuse_settled!r}")
         return self
 
     @property
@@ -188,6 +195,10 @@ _HELP = {
     "hold_eos": "diffusion: commit EOS only as the position a step must commit, not on confidence beside the "
                 "tokens before it; default: the model's recorded setting, else off",
     "max_new_tokens": f"generation budget; default: the model's recorded one, else {DEFAULT_MAX_NEW_TOKENS}",
+    "window": "diffusion, approximate: a step runs masked columns only this far past the leftmost one; "
+              "default: the model's recorded one, else the whole block",
+    "reuse_settled": "diffusion, approximate: keep the KVs of columns whose input and target are committed "
+                     "instead of recomputing them each step; default: the model's recorded setting, else off",
     "temperature": "sampling temperature, 0 greedy; default: the model's recorded one, else 0",
 }
 
@@ -200,14 +211,14 @@ def add_decode_flags(parser: argparse.ArgumentParser, names=FLAGS, help_override
     None, "not given": `explicit_from_args` leaves them out, so the model's recorded setting or the
     built-in default applies."""
     helps = {**_HELP, **(help_overrides or {})}
-    types = {"tau": float, "block_size": int, "max_new_tokens": int, "temperature": float}
+    types = {"tau": float, "block_size": int, "max_new_tokens": int, "temperature": float, "window": int}
     for name in names:
         flag = "--" + name.replace("_", "-")
         if name == "decoder":
             parser.add_argument(flag, choices=DECODERS, default=None, help=helps[name])
         elif name == "commit_rule":
             parser.add_argument(flag, choices=COMMIT_RULES, default=None, help=helps[name])
-        elif name == "hold_eos":
+        elif name in ("hold_eos", "reuse_settled"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=helps[name])
         else:
             parser.add_argument(flag, type=types[name], default=None, help=helps[name])

@@ -207,7 +207,8 @@ class RerankEngine:
         res = diffusion_decode(self.model, prompts, options.max_new_tokens, block,
                                int(self.diffusion["mask_token_id"]), self.eos_id, self.pad_id, tau=options.tau,
                                temperature=options.temperature, max_steps_per_block=options.max_steps_per_block,
-                               generator=gen, commit_rule=options.commit_rule, hold_eos=options.hold_eos)
+                               generator=gen, commit_rule=options.commit_rule, hold_eos=options.hold_eos,
+                               window=options.window, reuse_settled=options.reuse_settled)
         return res.tokens, res.n_forward, res
 
     def rerank(self, requests: list[RerankRequest], options: DecodeOptions | None = None,

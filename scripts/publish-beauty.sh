@@ -72,6 +72,14 @@ step speed "$DGR2" speed --ar "$BUNDLE/teacher" --diffusion "$BUNDLE/student" --
 step speed-1-thread "$DGR2" speed --ar "$BUNDLE/teacher" --diffusion "$BUNDLE/student" --data "$BUNDLE" \
   --threads 1 --batch-sizes 1,8 --taus 0.9 --no-accuracy --lengths '' --forward-blocks '' \
   --out docs/results/diffusion-speed-beauty-1thread.json
+# The two column-saving approximations (diffusion_decode's `window` and `reuse_settled`), with their
+# accuracy on the same 500 users: a candidate default only if it keeps the accuracy contract.
+for approx in "--reuse-settled" "--window 16 --reuse-settled" "--window 8 --reuse-settled"; do
+  name=$(echo "$approx" | tr -d '-' | tr ' ' '_')
+  step "speed-$name" "$DGR2" speed --ar "$BUNDLE/teacher" --diffusion "$BUNDLE/student" --data "$BUNDLE" \
+    --batch-sizes 1,8 --taus 0.9 $approx --exact-decoders '' --lengths '' --forward-blocks '' \
+    --accuracy-limit 500 --out "docs/results/diffusion-speed-beauty-$name.json"
+done
 step speed-independent "$DGR2" speed --ar "$BUNDLE/teacher" --diffusion "$BUNDLE/student" --data "$BUNDLE" \
   --batch-sizes 8 --taus 0.9 --schedule independent --exact-decoders '' --lengths '' --forward-blocks '' \
   --accuracy-limit 500 --out docs/results/diffusion-speed-beauty-independent.json

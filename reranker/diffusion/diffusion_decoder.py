@@ -57,6 +57,7 @@ class DiffusionResult:
     n_steps: int            # block steps run (each one forward over the active rows)
     steps_per_block: list   # per row: steps its blocks needed
     prefill_seconds: float = 0.0  # wall time of the prompt prefill (it yields no token)
+    n_columns: int = 0  # noisy window columns run, summed over steps (window / reuse_settled run fewer)
 
 
 def prefill(model, ids, plen):
@@ -75,10 +76,13 @@ def prefill(model, ids, plen):
     return cache, blk, valid, 1
 
 
-def block_step(model, cache, cache_blk, cache_valid, window, window_pos, window_blk, pending=None, keep=None):
+def block_step(model, cache, cache_blk, cache_valid, window, window_pos, window_blk, pending=None, keep=None,
+               retain=0):
     """One denoising step of a noisy window against the cache; returns (logits (b, B, V),
     cache_blk, cache_valid). If `pending` = (ids, pos, blk) of the previous block's clean window is
-    given, it is written to the cache in the same forward; the window's own KVs are cropped.
+    given, it is written to the cache in the same forward; the window's own KVs are cropped, all
+    but its first `retain` columns (settled columns a later step of the block reuses: see
+    diffusion_decode's `reuse_settled`), which stay as clean context of this block.
 
     keep: window columns (1D long tensor) whose logits are wanted; the logits are then (b, len(keep),
     V). Committed columns (and the clean half of a fused step) never need logits, so the decoder
@@ -92,8 +96,8 @@ def block_step(model, cache, cache_blk, cache_valid, window, window_pos, window_
     if pending is not None:
         p_ids, p_pos, p_blk = pending
         ids, pos = torch.cat([p_ids, ids], 1), torch.cat([p_pos, pos], 1)
-        q_blk = torch.cat([torch.full((B,), p_blk, device=dev), q_blk])
-        q_grp = torch.cat([torch.zeros_like(q_grp), q_grp])
+        q_blk = torch.cat([torch.full((p_ids.shape[1],), p_blk, device=dev), q_blk])
+        q_grp = torch.cat([torch.zeros(p_ids.shape[1], dtype=torch.long, device=dev), q_grp])
     kv_blk = torch.cat([cache_blk, q_blk])
     kv_grp = torch.cat([torch.zeros_like(cache_blk), q_grp])
     kv_valid = torch.cat([cache_valid, torch.ones(b, len(q_blk), dtype=torch.bool, device=dev)], 1)
@@ -101,9 +105,11 @@ def block_step(model, cache, cache_blk, cache_valid, window, window_pos, window_
     keep = torch.arange(B, device=dev) if keep is None else keep.to(dev)
     logits = forward(model, ids, pos, block_causal_mask(q_blk, q_grp, kv_blk, kv_grp, kv_valid), cache,
                      logits_to_keep=keep + offset)
-    crop(cache, B)
-    if pending is not None:
-        cache_blk, cache_valid = kv_blk[:-B], kv_valid[:, :-B]
+    crop(cache, B - retain)
+    if pending is not None or retain:
+        # Retained columns count as clean past of this block's later windows (block id one below).
+        kv_blk = torch.cat([kv_blk[:len(kv_blk) - B], torch.full((retain,), window_blk - 1, device=dev)])
+        cache_blk, cache_valid = kv_blk, kv_valid[:, :len(kv_blk)]
     return logits, cache_blk, cache_valid
 
 
@@ -116,17 +122,26 @@ def _first_eos(canvas, step_of, eos_id):
 @torch.no_grad()
 def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, eos_token_id,
                      pad_token_id=0, tau=DEFAULT_TAU, temperature=0.0, max_steps_per_block=None, generator=None,
-                     commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False):
+                     commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False, window=None, reuse_settled=False):
     """Decode block by block; each step commits every masked position with confidence >= tau plus
     the most confident one (greedy if temperature == 0, else sampled from softmax(logits / T);
     confidence = probability of the chosen token), or with commit_rule="prefix" the leftmost masked
     position and the confident run after it (forward.commit_confident). hold_eos: an EOS is
     committed only as the position a step must commit, never on confidence beside others. At step
     max_steps_per_block - 1 (default B) every remaining position is committed. Committed tokens are
-    never revised."""
+    never revised.
+
+    Two approximations that run fewer columns per step (both off by default, which is exact):
+    window: a step runs the block's columns only up to `window` past the leftmost masked position
+    (the furthest of the batch's rows); masked positions beyond are not in that forward at all.
+    reuse_settled: a column whose input token was already committed when the last step ran keeps
+    the KVs that step computed, and later steps of the block start after it. Its KVs saw the block
+    as it was then (masks where tokens are now), which the exact decoder would recompute."""
     dev, B = model.device, block_size
     cap = max_steps_per_block or B
     check_commit_rule(commit_rule)  # before any forward, not at the first step
+    if window is not None and not (isinstance(window, int) and window >= 1):
+        raise ValueError(f"window must be an int >= 1 or None, got {window!r}")
     ids, plen = left_pad(prompts, pad_token_id)
     ids, plen = ids.to(dev), plen.to(dev)
     b, P = ids.shape
@@ -143,7 +158,7 @@ def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, 
     length = torch.zeros(b, dtype=torch.long, device=dev)
     steps_per_block = [[] for _ in range(b)]
     arange_b = torch.arange(B, device=dev)
-    pending, n_steps = None, 0
+    pending, n_steps, n_columns = None, 0, 0
     for k in range(n_blocks):
         nb = len(rows)
         canvas = torch.full((nb, B), mask_token_id, dtype=torch.long, device=dev)
@@ -151,22 +166,36 @@ def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, 
         lp_blk = torch.zeros(nb, B, device=dev)
         limit = min(B, max_new_tokens - k * B)
         win_pos = (pre + k * B + arange_b)[None] - pad_left[:, None]
+        start = 0  # block columns already in the cache (reuse_settled), so not run again
         for s in range(cap):
             stop = _first_eos(canvas, step_of, eos_token_id).clamp(max=limit)  # nothing past EOS / budget
             eligible = (step_of < 0) & (arange_b[None] < stop[:, None])
-            cols = eligible.any(0).nonzero().squeeze(1)  # columns some row still needs (one host sync)
-            if len(cols) == 0:
+            if not eligible.any():
                 break
-            window = torch.cat([last[:, None], canvas[:, :-1]], 1)
-            logits, cache_blk, cache_valid = block_step(model, cache, cache_blk, cache_valid, window, win_pos,
-                                                        pre + k, pending, keep=cols)
+            leftmost = torch.where(eligible.any(1), eligible.int().argmax(1), torch.full_like(stop, B))
+            last_step = s == cap - 1
+            end = B if window is None or last_step else min(B, int(leftmost.max()) + window)
+            cols = eligible[:, start:end].any(0).nonzero().squeeze(1)  # window columns some row needs
+            # Settled: columns before every row's leftmost masked position. Their targets and their
+            # inputs (column j reads canvas[j-1]) are committed, so this step's KVs of them are kept.
+            settle = min(int(leftmost.min()), end) if reuse_settled else start
+            window_ids = torch.cat([last[:, None], canvas[:, :-1]], 1)[:, start:end]
+            logits, cache_blk, cache_valid = block_step(model, cache, cache_blk, cache_valid, window_ids,
+                                                        win_pos[:, start:end], pre + k, pending, keep=cols,
+                                                        retain=settle - start)
             pending = None
             n_forward, n_steps = n_forward + 1, n_steps + 1
-            commit, tok, lp = choose_commits(logits, cols, canvas, eligible, s == cap - 1, tau, temperature,
-                                             generator, commit_rule, eos_token_id if hold_eos else None)
+            n_columns += end - start
+            commit, tok, lp = choose_commits(logits, cols + start, canvas, eligible & (arange_b < end)[None],
+                                             last_step, tau, temperature, generator, commit_rule,
+                                             eos_token_id if hold_eos else None)
             canvas = torch.where(commit, tok, canvas)
             step_of = torch.where(commit, s, step_of)
             lp_blk = torch.where(commit, lp, lp_blk)
+            start = settle
+        if start:  # the block's reused columns leave the cache: its clean window is written next
+            crop(cache, start)
+            cache_blk, cache_valid = cache_blk[:-start], cache_valid[:, :-start]
         traj_tok[rows, k * B:(k + 1) * B] = canvas
         traj_step[rows, k * B:(k + 1) * B] = step_of
         traj_lp[rows, k * B:(k + 1) * B] = lp_blk
@@ -186,8 +215,10 @@ def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, 
             rows, last, pad_left, cache_valid, pending_ids, win_pos = (
                 x[idx] for x in (rows, last, pad_left, cache_valid, pending_ids, win_pos))
         pending = (pending_ids, win_pos, pre + k)
-    return collect_result(traj_tok, traj_step, traj_lp, length, B, n_forward, n_steps, steps_per_block,
-                          prefill_seconds)
+    res = collect_result(traj_tok, traj_step, traj_lp, length, B, n_forward, n_steps, steps_per_block,
+                         prefill_seconds)
+    res.n_columns = n_columns
+    return res
 
 
 def choose_commits(logits, cols, canvas, eligible, force, tau, temperature, generator, commit_rule, hold_eos_id):

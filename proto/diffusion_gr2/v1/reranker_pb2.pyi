@@ -28,7 +28,7 @@ COMMIT_RULE_CONFIDENCE: CommitRule
 COMMIT_RULE_PREFIX: CommitRule
 
 class DecodeOptions(_message.Message):
-    __slots__ = ("decoder", "tau", "block_size", "return_reasoning", "top_k", "max_new_tokens", "commit_rule", "hold_eos")
+    __slots__ = ("decoder", "tau", "block_size", "return_reasoning", "top_k", "max_new_tokens", "commit_rule", "hold_eos", "window", "reuse_settled")
     DECODER_FIELD_NUMBER: _ClassVar[int]
     TAU_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,8 @@ class DecodeOptions(_message.Message):
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMMIT_RULE_FIELD_NUMBER: _ClassVar[int]
     HOLD_EOS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    REUSE_SETTLED_FIELD_NUMBER: _ClassVar[int]
     decoder: Decoder
     tau: float
     block_size: int
@@ -45,7 +47,9 @@ class DecodeOptions(_message.Message):
     max_new_tokens: int
     commit_rule: CommitRule
     hold_eos: bool
-    def __init__(self, decoder: _Optional[_Union[Decoder, str]] = ..., tau: _Optional[float] = ..., block_size: _Optional[int] = ..., return_reasoning: _Optional[bool] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., commit_rule: _Optional[_Union[CommitRule, str]] = ..., hold_eos: _Optional[bool] = ...) -> None: ...
+    window: int
+    reuse_settled: bool
+    def __init__(self, decoder: _Optional[_Union[Decoder, str]] = ..., tau: _Optional[float] = ..., block_size: _Optional[int] = ..., return_reasoning: _Optional[bool] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., commit_rule: _Optional[_Union[CommitRule, str]] = ..., hold_eos: _Optional[bool] = ..., window: _Optional[int] = ..., reuse_settled: _Optional[bool] = ...) -> None: ...
 
 class Candidate(_message.Message):
     __slots__ = ("item_id", "score")

@@ -223,3 +223,44 @@ def test_independent_rows_decode_what_lockstep_decodes(rule, hold, tau, cap):
     assert ind.n_forward == 1 + ind.n_steps
     alone = [diffusion_decode_independent(model, [p], 19, 4, MASK, eos, **kw).tokens[0] for p in prompts]
     assert alone == ind.tokens
+
+
+def _causal_within_blocks(q_blk, q_grp, kv_blk, kv_grp, kv_valid=None, dtype=torch.float32):
+    """block_causal_mask, except that no column sees a later column (queries are the last q keys)."""
+    from reranker.diffusion.masks import block_causal_mask
+
+    mask = block_causal_mask(q_blk, q_grp, kv_blk, kv_grp, kv_valid, dtype)
+    q, kv = mask.shape[-2:]
+    later = torch.arange(kv)[None, :] > (torch.arange(q) + kv - q)[:, None]
+    return mask.masked_fill(later, torch.finfo(dtype).min)
+
+
+@pytest.mark.parametrize("rule,tau,window,reuse", [("prefix", 0.3, None, True), ("confidence", 0.3, None, True),
+                                                   ("prefix", 1.1, 2, False), ("prefix", 1.1, 3, True)])
+def test_window_and_settled_reuse_are_exact_when_no_column_sees_a_later_one(monkeypatch, rule, tau, window, reuse):
+    """What `window` and `reuse_settled` leave out is what a column would see of later columns of its
+    block. Under a mask where no column sees a later one they must decode exactly what the full step
+    decodes (tokens and log-probs), with fewer columns run: this checks their cache bookkeeping
+    (kept columns, crops, positions, block ids) across blocks, EOS and dropped rows. The default
+    decoder is unchanged by both being off (every other test here)."""
+    from reranker.diffusion import diffusion_decoder
+
+    model, prompts = model_for("sdpa"), prompts_for(2)
+    eos = frequent_token(model, prompts)
+    monkeypatch.setattr(diffusion_decoder, "block_causal_mask", _causal_within_blocks)  # this test only
+    full = diffusion_decode(model, prompts, 18, 6, MASK, eos, tau=tau, commit_rule=rule)
+    fast = diffusion_decode(model, prompts, 18, 6, MASK, eos, tau=tau, commit_rule=rule, window=window,
+                            reuse_settled=reuse)
+    assert fast.tokens == full.tokens and fast.steps_per_block == full.steps_per_block
+    assert any(len(t) < 18 for t in full.tokens)  # EOS dropped some row
+    for a, b in zip(fast.trajectories, full.trajectories):
+        assert torch.equal(a.steps, b.steps)
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+    assert fast.n_columns < full.n_columns == 6 * full.n_steps
+    monkeypatch.undo()
+    # Without the patch they are approximations: the same shapes, still a complete decode.
+    approx = diffusion_decode(model, prompts, 18, 6, MASK, eos, tau=tau, commit_rule=rule, window=window,
+                              reuse_settled=reuse)
+    assert [len(t) for t in approx.tokens] and all(tr.committed[:tr.length].all() for tr in approx.trajectories)
+    with pytest.raises(ValueError, match="window"):
+        diffusion_decode(model, prompts, 4, 4, MASK, eos, window=0)

@@ -255,6 +255,8 @@ BAD = [  # (request fields, field named in the message)
     (dict(candidates=["i01"], options=pb.DecodeOptions(max_new_tokens=10_000)), "options.max_new_tokens"),
     (dict(candidates=["i01"], options=pb.DecodeOptions(decoder=7)), "options.decoder"),
     (dict(candidates=["i01"], options=pb.DecodeOptions(commit_rule=9)), "options.commit_rule"),
+    (dict(candidates=["i01"], options=pb.DecodeOptions(window=0)), "options.window"),
+    (dict(candidates=["i01"], options=pb.DecodeOptions(window=300)), "options.window"),
     (dict(candidates=["i01"], history=["i02", ""]), "history[1]"),
     (dict(candidates=["i01"], user_id="u" * 300), "user_id"),
 ]
@@ -628,6 +630,7 @@ def test_grpc_rankings_equal_eval_outputs(dirs, tmp_path):
         (dirs["diffusion"], dict(decoder="diffusion", tau=0.3, commit_rule="confidence")),
         (dirs["diffusion"], prefix),
         (recorded, {}),  # nothing sent: the model's recorded prefix settings
+        (dirs["diffusion"], dict(prefix, window=2, reuse_settled=True)),  # the approximations reach the decoder
     ]
     texts = []
     for model_dir, settings in cases:
@@ -656,8 +659,9 @@ def test_grpc_rankings_equal_eval_outputs(dirs, tmp_path):
         options = seen[0][0]
         assert (options.decoder, options.tau if options.decoder == "diffusion" else None) == (
             settings.get("decoder", "diffusion"), settings.get("tau", 0.3) if options.decoder == "diffusion" else None)
-        if model_dir == recorded or settings is prefix:
+        if model_dir == recorded or settings.get("commit_rule") == "prefix":
             assert (options.commit_rule, options.hold_eos) == ("prefix", True)
+        assert (options.window, options.reuse_settled) == (settings.get("window"), settings.get("reuse_settled", False))
         assert [t for _, ts in seen for t in ts] == [w["text"] for w in expected]
         texts.append([w["text"] for w in expected])
     assert texts[1] != texts[2] and texts[2] == texts[3]  # the rule changes the decode; the record is used
