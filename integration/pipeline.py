@@ -376,7 +376,7 @@ def evaluate_rows(rows, data_dir: Path, ecfg: dict, eval_dir: Path) -> list[dict
             print(f"  eval {label}: the same weights as {by_key[key]['label']}, its report reused", flush=True)
         else:
             engine = RerankEngine.load(model_dir, data_dir)
-            rep = evaluate(engine, examples, opts, int(ecfg.get("batch_size", 8)))
+            rep = evaluate(engine, examples, opts, int(ecfg.get("batch_size", 8)), workers=int(ecfg.get("workers", 1)))
             # model_sha256: the row's model by the sha256 of its weights, as a release names it
             rep.update(label=label, model=str(model_dir), eval_key=key, model_sha256=weights)
             atomic_write_text(path, json.dumps(rep, indent=2))

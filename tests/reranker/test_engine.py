@@ -115,6 +115,47 @@ def test_eval_keeps_each_examples_output_and_failure(parts, tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))  # written to a temp file, then renamed
 
 
+def test_eval_workers_decode_batches_at_once_and_keep_the_order(parts):
+    """`evaluate(..., workers=2)`: two batches decode at once, on two threads, and every example's
+    output lands where one worker puts it; torch's threads are given back."""
+    import threading
+    import time as _time
+
+    import torch
+
+    eng = RerankEngine(parts["model"], parts["tok"], parts["sids"], parts["meta"], parts["cp"], max_prompt_tokens=4096)
+    reqs = [request(k) for k in range(6)]
+    orders = [[k % 10, *[j for j in range(10) if j != k % 10]] for k in range(6)]
+    by_prompt = {tuple(eng.prompt_ids(r)): parts["tok"](render_assistant(
+        "because", [parts["sids"].sid_string(r.candidates[i]) for i in order]) + "<|im_end|>",
+        add_special_tokens=False)["input_ids"] for r, order in zip(reqs, orders)}
+    threads, running, peak = set(), [0], [0]
+    lock = threading.Lock()
+
+    def fake_decode(prompts, options):  # this instance only
+        with lock:
+            threads.add(threading.current_thread().name)
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        _time.sleep(0.2)
+        with lock:
+            running[0] -= 1
+        return [by_prompt[tuple(p)] for p in prompts], 1, None
+
+    eng.decode = fake_decode
+    examples = [{"history": r.history, "candidates": r.candidates, "target_index": k % 10, "user": f"u{k}"}
+                for k, r in enumerate(reqs)]
+    before = torch.get_num_threads()
+    one = evaluate(eng, examples, DecodeOptions(), batch_size=2, progress=False, keep_outputs=True)
+    assert peak[0] == 1
+    two = evaluate(eng, examples, DecodeOptions(), batch_size=2, progress=False, keep_outputs=True, workers=2)
+    assert peak[0] == 2 and len(threads) >= 2 and torch.get_num_threads() == before
+    assert [o["permutation"] for o in two["outputs"]] == [o["permutation"] for o in one["outputs"]] == orders
+    assert two["recall@1"] == one["recall@1"] == 1.0 and two["workers"] == 2
+    with pytest.raises(ValueError, match="workers"):
+        evaluate(eng, examples, DecodeOptions(), workers=0, progress=False)
+
+
 def test_bad_requests_are_clear(parts):
     eng = RerankEngine(parts["model"], parts["tok"], parts["sids"], parts["meta"], parts["cp"], max_prompt_tokens=4096)
     with pytest.raises(ValueError, match="'nope' has no semantic ID"):
