@@ -14,6 +14,10 @@ DGR2=${DGR2:-.venv/bin/dgr2}
 AR_PORT=${AR_PORT:-50061}
 DIFF_PORT=${DIFF_PORT:-50062}
 WORKERS=${WORKERS:-2}  # decode workers per server, one torch thread each on 2 cores
+# Batch caps: with 2 workers, batches of 4 keep both busy at concurrency 8 (AR: 2 x batch 4 served
+# 1.5x the requests of 1 x batch 8, docs/EXPERIMENTS.md); diffusion gains little from batching here.
+AR_MAX_BATCH=${AR_MAX_BATCH:-4}
+DIFF_MAX_BATCH=${DIFF_MAX_BATCH:-2}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 mkdir -p "$RUN/publish"
 
@@ -33,10 +37,10 @@ trap stop_servers EXIT
 
 serve_pair() {  # the AR teacher and the diffusion student, each its own server, for the loadtest
   "$DGR2" serve --model "$BUNDLE/teacher" --port "$AR_PORT" --max-queue 40 --decode-workers "$WORKERS" \
-    --retrieval "$RUN/retrieval" &
+    --max-batch "$AR_MAX_BATCH" --retrieval "$RUN/retrieval" &
   SERVERS+=($!)
   "$DGR2" serve --model "$BUNDLE/student" --port "$DIFF_PORT" --max-queue 40 --decode-workers "$WORKERS" \
-    --retrieval "$RUN/retrieval" &
+    --max-batch "$AR_MAX_BATCH" --decoder-max-batch "diffusion=$DIFF_MAX_BATCH" --retrieval "$RUN/retrieval" &
   SERVERS+=($!)
   for port in "$AR_PORT" "$DIFF_PORT"; do
     for _ in $(seq 120); do
