@@ -142,6 +142,7 @@ def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, 
     check_commit_rule(commit_rule)  # before any forward, not at the first step
     if window is not None and not (isinstance(window, int) and window >= 1):
         raise ValueError(f"window must be an int >= 1 or None, got {window!r}")
+    approximate = window is not None or reuse_settled
     ids, plen = left_pad(prompts, pad_token_id)
     ids, plen = ids.to(dev), plen.to(dev)
     b, P = ids.shape
@@ -170,15 +171,21 @@ def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, 
         for s in range(cap):
             stop = _first_eos(canvas, step_of, eos_token_id).clamp(max=limit)  # nothing past EOS / budget
             eligible = (step_of < 0) & (arange_b[None] < stop[:, None])
-            if not eligible.any():
-                break
-            leftmost = torch.where(eligible.any(1), eligible.int().argmax(1), torch.full_like(stop, B))
             last_step = s == cap - 1
-            end = B if window is None or last_step else min(B, int(leftmost.max()) + window)
-            cols = eligible[:, start:end].any(0).nonzero().squeeze(1)  # window columns some row needs
-            # Settled: columns before every row's leftmost masked position. Their targets and their
-            # inputs (column j reads canvas[j-1]) are committed, so this step's KVs of them are kept.
-            settle = min(int(leftmost.min()), end) if reuse_settled else start
+            end, settle = B, start  # the exact step: every column, nothing kept
+            if approximate:
+                leftmost = torch.where(eligible.any(1), eligible.int().argmax(1), torch.full_like(stop, B))
+                if window is not None and not last_step:
+                    end = min(B, int(leftmost.max()) + window)
+                # Settled: columns before every row's leftmost masked position. Their targets and their
+                # inputs (column j reads canvas[j-1]) are committed, so this step's KVs of them are kept.
+                if reuse_settled:
+                    settle = min(int(leftmost.min()), end)
+            # Window columns some row still needs (one host sync). Every row's leftmost masked
+            # position lies inside the window, so none means the block is done.
+            cols = eligible[:, start:end].any(0).nonzero().squeeze(1)
+            if len(cols) == 0:
+                break
             window_ids = torch.cat([last[:, None], canvas[:, :-1]], 1)[:, start:end]
             logits, cache_blk, cache_valid = block_step(model, cache, cache_blk, cache_valid, window_ids,
                                                         win_pos[:, start:end], pre + k, pending, keep=cols,
@@ -186,9 +193,9 @@ def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, 
             pending = None
             n_forward, n_steps = n_forward + 1, n_steps + 1
             n_columns += end - start
-            commit, tok, lp = choose_commits(logits, cols + start, canvas, eligible & (arange_b < end)[None],
-                                             last_step, tau, temperature, generator, commit_rule,
-                                             eos_token_id if hold_eos else None)
+            in_window = eligible & (arange_b < end)[None] if end < B else eligible
+            commit, tok, lp = choose_commits(logits, cols + start, canvas, in_window, last_step, tau, temperature,
+                                             generator, commit_rule, eos_token_id if hold_eos else None)
             canvas = torch.where(commit, tok, canvas)
             step_of = torch.where(commit, s, step_of)
             lp_blk = torch.where(commit, lp, lp_blk)

@@ -31,10 +31,10 @@ import numpy as np
 from candidate_gen.atomic import load_items
 from candidate_gen.files import atomic_write_text
 from candidate_gen.split import train_sequences
-from reranker.data.dataset import load_retrieval, load_split
+from reranker.data.dataset import load_retrieval, load_split, scorer_settings
 from reranker.data.evidence import item_meta_lookup
 from reranker.data.features import FEATURE_NAMES, FeatureContext
-from reranker.data.teachers.rule import LtrScorer, ScorerConfig
+from reranker.data.teachers.rule import LtrScorer
 from reranker.eval.metrics import compare, new_ranks, summarize
 
 _CP_LAST = FEATURE_NAMES.index("copurchase_last1")
@@ -66,8 +66,7 @@ def fit_learned_scorer(data_dir: Path, ctx: FeatureContext) -> LtrScorer | None:
         return None
     saved = data_dir / "scorer" / "scorer.json"
     settings = json.loads(saved.read_text(encoding="utf-8")).get("info", {}).get("config", {}) if saved.is_file() else {}
-    known = set(ScorerConfig.__dataclass_fields__)
-    config = ScorerConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in settings.items() if k in known})
+    config = scorer_settings(settings, int(settings.get("seed", 0)))
     X, groups = ctx.featurize(rows, desc="scorer features")
     labels = np.concatenate([[c == r["target"] for c in r["candidates"]] for r in rows]).astype(np.float32)
     scorer = LtrScorer.fit(X, groups, labels, [r["user"] for r in rows], config)
