@@ -21,6 +21,12 @@ raise a ValueError naming the file instead (this project never writes such cache
 its safe default (weights_only=True): SASRec weights are stored as safetensors (candidate_gen/sasrec.py),
 RecBole's Trainer keeps its best model in memory there, and no code path here calls the Trainer's own
 loads (`resume_checkpoint`, `evaluate(load_best_model=True)`).
+
+Importing `recbole.model.sequential_recommender` runs RecBole's `sine.py`, which calls
+`torch.autograd.set_detect_anomaly(True)` for the whole process: every later backward pass then
+records and checks its graph, and the demo's SFT and CFT steps ran 2.2x slower after retrieval
+(docs/EXPERIMENTS.md). `torch_anomaly_mode_kept()` restores the mode around such an import, and
+`recbole_compat()` around its block.
 """
 from __future__ import annotations
 
@@ -58,7 +64,27 @@ def _not_recbole_chatter(record: logging.LogRecord) -> bool:
 
 
 @contextlib.contextmanager
+def torch_anomaly_mode_kept():
+    """Whatever the block does to torch's anomaly detection (RecBole's model imports turn it on),
+    it is as before on exit."""
+    import torch
+
+    mode, check_nan = torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()
+    try:
+        yield
+    finally:
+        torch.autograd.set_detect_anomaly(mode, check_nan)
+
+
+@contextlib.contextmanager
 def recbole_compat(tensorboard_dir: str | None = None):
+    with torch_anomaly_mode_kept():
+        with _recbole_compat(tensorboard_dir):
+            yield
+
+
+@contextlib.contextmanager
+def _recbole_compat(tensorboard_dir: str | None = None):
     saved = {n: np.__dict__.get(n, _MISSING) for n in (*_NUMPY_ALIASES, *_RECBOLE_ASSIGNS)}
 
     import recbole.data.utils as rb_data_utils  # noqa: E402

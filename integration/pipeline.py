@@ -420,10 +420,12 @@ def measure_final_speed(ar_dir: Path, diff_dir: Path, data_dir: Path, scfg: dict
         engine_ar, engine_diff, examples, n_prompts=int(scfg.get("n_prompts", 8)), accuracy=False,
         batch_sizes=(1,), taus=(opts.tau,), max_new_tokens=opts.max_new_tokens, repeats=int(scfg.get("repeats", 3)),
         warmup=int(scfg.get("warmup", 1)), threads=scfg.get("threads"), lengths=(), forward_blocks=(),
-        commit_rule=opts.commit_rule, hold_eos=opts.hold_eos)
+        commit_rule=opts.commit_rule, hold_eos=opts.hold_eos, window=opts.window, reuse_settled=opts.reuse_settled,
+        lookup_drafts=opts.lookup_drafts)
     point = rep["batches"][0]["points"][0]
     out = {"seconds": time.time() - t0, "batch1_speedup": point["speedup"], "speedup_paired": point["speedup_paired"], "tau": opts.tau,
            "batch_size": 1, "commit_rule": opts.commit_rule, "hold_eos": opts.hold_eos,
+           "lookup_drafts": opts.lookup_drafts,
            "ar_tokens_per_second": rep["batches"][0]["ar"]["tokens_per_second"]["median"],
            "diffusion_tokens_per_second": point["tokens_per_second"]["median"],
            "diffusion_tokens_per_step": point.get("tokens_per_step"),

@@ -26,9 +26,13 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from recbole.model.abstract_recommender import SequentialRecommender
-from recbole.model.sequential_recommender import SASRec
-from recbole.utils import InputType
+
+from candidate_gen.recbole_compat import torch_anomaly_mode_kept
+
+with torch_anomaly_mode_kept():  # RecBole's model package turns anomaly detection on at import
+    from recbole.model.abstract_recommender import SequentialRecommender
+    from recbole.model.sequential_recommender import SASRec
+    from recbole.utils import InputType
 
 
 def _get(config, key, default):

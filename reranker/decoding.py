@@ -35,7 +35,8 @@ DEFAULT_MAX_NEW_TOKENS = 320
 MAX_BLOCK_SIZE = 256
 # The settings a model directory may record (config.json "decode_settings"). block_size is the
 # diffusion config's; max_steps_per_block and seed are run settings, not properties of a model.
-RECORDED = ("decoder", "tau", "commit_rule", "hold_eos", "max_new_tokens", "temperature", "window", "reuse_settled")
+RECORDED = ("decoder", "tau", "commit_rule", "hold_eos", "max_new_tokens", "temperature", "window", "reuse_settled",
+            "lookup_drafts")
 MODEL_CONFIG_KEY = "decode_settings"
 
 
@@ -68,6 +69,8 @@ class DecodeOptions:
     # diffusion approximations that run fewer columns a step (reranker.diffusion.diffusion_decoder):
     window: int | None = None  # run masked columns only this far past the leftmost one; None: the block
     reuse_settled: bool = False  # keep the KVs of columns whose input and target are committed
+    # diffusion, "prefix" rule: masked inputs hold prompt-lookup drafts; a confirmed draft commits
+    lookup_drafts: bool = False
 
     def validate(self, prefix: str = "") -> "DecodeOptions":
         """Raises ValueError naming the field (after `prefix`, e.g. "options.") and its value."""
@@ -99,6 +102,11 @@ class DecodeOptions:
             bad("window", f"must be in [1, {MAX_BLOCK_SIZE}] or unset, got {self.window!r}")
         if not isinstance(self.reuse_settled, bool):
             bad("reuse_settled", f"must be true or false, got {self.reuse_settled!r}")
+        if not isinstance(self.lookup_drafts, bool):
+            bad("lookup_drafts", f"must be true or false, got {self.lookup_drafts!r}")
+        if self.lookup_drafts and self.decoder == "diffusion" and self.commit_rule != "prefix":
+            bad("lookup_drafts", f"needs commit_rule 'prefix' (a draft is confirmed by the token just before it), "
+                                 f"got commit_rule {self.commit_rule!r}")
         return self
 
     @property
@@ -199,6 +207,9 @@ _HELP = {
               "default: the model's recorded one, else the whole block",
     "reuse_settled": "diffusion, approximate: keep the KVs of columns whose input and target are committed "
                      "instead of recomputing them each step; default: the model's recorded setting, else off",
+    "lookup_drafts": "diffusion, prefix rule: fill masked inputs with prompt-lookup drafts and commit a drafted "
+                     "position when the token before it confirms its draft; default: the model's recorded setting, "
+                     "else off",
     "temperature": "sampling temperature, 0 greedy; default: the model's recorded one, else 0",
 }
 
@@ -218,7 +229,7 @@ def add_decode_flags(parser: argparse.ArgumentParser, names=FLAGS, help_override
             parser.add_argument(flag, choices=DECODERS, default=None, help=helps[name])
         elif name == "commit_rule":
             parser.add_argument(flag, choices=COMMIT_RULES, default=None, help=helps[name])
-        elif name in ("hold_eos", "reuse_settled"):
+        elif name in ("hold_eos", "reuse_settled", "lookup_drafts"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=helps[name])
         else:
             parser.add_argument(flag, type=types[name], default=None, help=helps[name])

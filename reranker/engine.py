@@ -208,7 +208,8 @@ class RerankEngine:
                                int(self.diffusion["mask_token_id"]), self.eos_id, self.pad_id, tau=options.tau,
                                temperature=options.temperature, max_steps_per_block=options.max_steps_per_block,
                                generator=gen, commit_rule=options.commit_rule, hold_eos=options.hold_eos,
-                               window=options.window, reuse_settled=options.reuse_settled)
+                               window=options.window, reuse_settled=options.reuse_settled,
+                               lookup_drafts=options.lookup_drafts)
         return res.tokens, res.n_forward, res
 
     def rerank(self, requests: list[RerankRequest], options: DecodeOptions | None = None,

@@ -11,7 +11,7 @@ from ..config import load_config, section
 from .common import json_arg
 
 # the decode settings `dgr2 convert` can record beside decoder "diffusion" (--block-size is the conversion's own)
-CONVERT_RECORDS = ("tau", "commit_rule", "hold_eos", "max_new_tokens")
+CONVERT_RECORDS = ("tau", "commit_rule", "hold_eos", "max_new_tokens", "lookup_drafts")
 
 
 def cmd_model_init(args) -> int:

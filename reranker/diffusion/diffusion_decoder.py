@@ -23,6 +23,7 @@ import torch
 from reranker.decoding import DEFAULT_COMMIT_RULE, DEFAULT_TAU
 
 from .forward import check_commit_rule, clock, commit_confident, crop, forward, new_cache, pick_tokens, select_rows
+from .lookup_decoder import DEFAULT_K_MAX, DEFAULT_K_START, NgramIndex
 from .masks import block_causal_mask, clean_block_ids, left_pad, position_ids_for
 
 
@@ -77,7 +78,7 @@ def prefill(model, ids, plen):
 
 
 def block_step(model, cache, cache_blk, cache_valid, window, window_pos, window_blk, pending=None, keep=None,
-               retain=0):
+               retain=0, hidden=None, mask_memo=None):
     """One denoising step of a noisy window against the cache; returns (logits (b, B, V),
     cache_blk, cache_valid). If `pending` = (ids, pos, blk) of the previous block's clean window is
     given, it is written to the cache in the same forward; the window's own KVs are cropped, all
@@ -88,25 +89,50 @@ def block_step(model, cache, cache_blk, cache_valid, window, window_pos, window_
     V). Committed columns (and the clean half of a fused step) never need logits, so the decoder
     asks only for the columns some row still has masked. The vocabulary projection is a fifth of
     this model's per-column FLOPs, but on the Beauty CPU model it made decoding only ~2% faster.
-    Every column still runs through the layers: its KVs are what the other columns attend to."""
+    Every column still runs through the layers: its KVs are what the other columns attend to.
+
+    hidden: optional (b, B) bool, the window columns whose input is a lookup draft (one contiguous
+    stretch per row). A draft is a guess, and a column that saw the guesses after it would take them
+    for the answer, so no column sees a draft after it, directly or through a later column's KVs;
+    each column still sees its own input and the drafts before it.
+
+    mask_memo: optional dict the caller keeps for one block: a step with no pending write and
+    nothing retained runs against the same cache as the block's previous such step, so its mask is
+    built once and reused (a small model's step is mostly per-op overhead)."""
     b, B = window.shape
     dev = window.device
-    ids, pos, q_blk = window, window_pos, torch.full((B,), window_blk, device=dev)
-    q_grp = torch.ones(B, dtype=torch.long, device=dev)
-    if pending is not None:
-        p_ids, p_pos, p_blk = pending
-        ids, pos = torch.cat([p_ids, ids], 1), torch.cat([p_pos, pos], 1)
-        q_blk = torch.cat([torch.full((p_ids.shape[1],), p_blk, device=dev), q_blk])
-        q_grp = torch.cat([torch.zeros(p_ids.shape[1], dtype=torch.long, device=dev), q_grp])
-    kv_blk = torch.cat([cache_blk, q_blk])
-    kv_grp = torch.cat([torch.zeros_like(cache_blk), q_grp])
-    kv_valid = torch.cat([cache_valid, torch.ones(b, len(q_blk), dtype=torch.bool, device=dev)], 1)
-    offset = len(q_blk) - B  # the noisy window is the last B columns
+    ids, pos = window, window_pos
+    memo = mask_memo is not None and pending is None and not retain
+    mask = mask_memo.get("mask") if memo else None
+    if mask is None:
+        q_blk, q_grp = torch.full((B,), window_blk, device=dev), torch.ones(B, dtype=torch.long, device=dev)
+        if pending is not None:
+            p_ids, p_pos, p_blk = pending
+            ids, pos = torch.cat([p_ids, ids], 1), torch.cat([p_pos, pos], 1)
+            q_blk = torch.cat([torch.full((p_ids.shape[1],), p_blk, device=dev), q_blk])
+            q_grp = torch.cat([torch.zeros(p_ids.shape[1], dtype=torch.long, device=dev), q_grp])
+        kv_blk = torch.cat([cache_blk, q_blk])
+        kv_grp = torch.cat([torch.zeros_like(cache_blk), q_grp])
+        kv_valid = torch.cat([cache_valid, torch.ones(b, len(q_blk), dtype=torch.bool, device=dev)], 1)
+        mask = block_causal_mask(q_blk, q_grp, kv_blk, kv_grp, kv_valid)
+        if memo:
+            mask_memo["mask"] = mask
+    offset = ids.shape[1] - B  # the noisy window is the last B columns
     keep = torch.arange(B, device=dev) if keep is None else keep.to(dev)
-    logits = forward(model, ids, pos, block_causal_mask(q_blk, q_grp, kv_blk, kv_grp, kv_valid), cache,
-                     logits_to_keep=keep + offset)
+    if hidden is not None:
+        mask = mask.clone()  # the memo keeps the plain mask
+        # A later key carries a draft when a drafted column lies between the query and it (a key after
+        # the drafts saw them in the layer before), so query q sees key k > q only if k is before the
+        # row's first drafted column or q is at or after its last: the drafted stretch is causal.
+        col = torch.arange(B, device=dev)
+        first = torch.where(hidden.any(1), hidden.int().argmax(1), B)
+        last = B - 1 - hidden.flip(1).int().argmax(1)
+        blocked = ((col[None, :] > col[:, None])[None] & (col[None, None, :] >= first[:, None, None])
+                   & (col[None, :, None] < last[:, None, None]))  # (b, query, key)
+        mask[:, 0, -B:, -B:] = mask[:, 0, -B:, -B:].masked_fill(blocked, torch.finfo(mask.dtype).min)
+    logits = forward(model, ids, pos, mask, cache, logits_to_keep=keep + offset)
     crop(cache, B - retain)
-    if pending is not None or retain:
+    if pending is not None or retain:  # then the mask was built here, with kv_blk and kv_valid
         # Retained columns count as clean past of this block's later windows (block id one below).
         kv_blk = torch.cat([kv_blk[:len(kv_blk) - B], torch.full((retain,), window_blk - 1, device=dev)])
         cache_blk, cache_valid = kv_blk, kv_valid[:, :len(kv_blk)]
@@ -122,7 +148,8 @@ def _first_eos(canvas, step_of, eos_id):
 @torch.no_grad()
 def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, eos_token_id,
                      pad_token_id=0, tau=DEFAULT_TAU, temperature=0.0, max_steps_per_block=None, generator=None,
-                     commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False, window=None, reuse_settled=False):
+                     commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False, window=None, reuse_settled=False,
+                     lookup_drafts=False):
     """Decode block by block; each step commits every masked position with confidence >= tau plus
     the most confident one (greedy if temperature == 0, else sampled from softmax(logits / T);
     confidence = probability of the chosen token), or with commit_rule="prefix" the leftmost masked
@@ -136,13 +163,27 @@ def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, 
     (the furthest of the batch's rows); masked positions beyond are not in that forward at all.
     reuse_settled: a column whose input token was already committed when the last step ran keeps
     the KVs that step computed, and later steps of the block start after it. Its KVs saw the block
-    as it was then (masks where tokens are now), which the exact decoder would recompute."""
+    as it was then (masks where tokens are now), which the exact decoder would recompute.
+
+    lookup_drafts ("prefix" rule only): the masked inputs after a row's leftmost masked position
+    hold prompt-lookup drafts instead of the mask token (the tokens that followed the latest earlier
+    occurrence of the text's last n-gram, lookup_decoder.NgramIndex), and a drafted position commits
+    when the token chosen before it equals its draft (commit_confident's `confirmed`). The answer is
+    mostly copied from the prompt; a masked left neighbour is what keeps a copy from being made in
+    parallel, and a confirmed draft gives the position the neighbour it would see one step later.
+    Drafts cost no column (the step runs the whole window anyway). The trajectory records what was
+    committed, not the drafts the model saw, so replay (OPD / RL) does not reproduce such a decode:
+    training rollouts decode without drafts."""
     dev, B = model.device, block_size
     cap = max_steps_per_block or B
     check_commit_rule(commit_rule)  # before any forward, not at the first step
     if window is not None and not (isinstance(window, int) and window >= 1):
         raise ValueError(f"window must be an int >= 1 or None, got {window!r}")
     approximate = window is not None or reuse_settled
+    if lookup_drafts and commit_rule != "prefix":
+        raise ValueError(f"lookup_drafts needs commit_rule 'prefix', got {commit_rule!r}")
+    index = [NgramIndex(p) for p in prompts] if lookup_drafts else None
+    draft_len = [DEFAULT_K_START] * len(prompts)  # lookup_drafts: each row's draft length, adapted as ar_lookup's
     ids, plen = left_pad(prompts, pad_token_id)
     ids, plen = ids.to(dev), plen.to(dev)
     b, P = ids.shape
@@ -168,6 +209,9 @@ def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, 
         limit = min(B, max_new_tokens - k * B)
         win_pos = (pre + k * B + arange_b)[None] - pad_left[:, None]
         start = 0  # block columns already in the cache (reuse_settled), so not run again
+        done = [0] * nb  # lookup_drafts: each row's committed run in this block (the prefix rule's)
+        row_ids = rows.tolist()
+        mask_memo = None if approximate else {}  # this block's steps after its first share one mask
         for s in range(cap):
             stop = _first_eos(canvas, step_of, eos_token_id).clamp(max=limit)  # nothing past EOS / budget
             eligible = (step_of < 0) & (arange_b[None] < stop[:, None])
@@ -186,19 +230,37 @@ def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, 
             cols = eligible[:, start:end].any(0).nonzero().squeeze(1)
             if len(cols) == 0:
                 break
-            window_ids = torch.cat([last[:, None], canvas[:, :-1]], 1)[:, start:end]
+            window_in = torch.cat([last[:, None], canvas[:, :-1]], 1)
+            drafted = None
+            if lookup_drafts:
+                window_in, drafted, n_drafted = draft_inputs(window_in, done, [index[r] for r in row_ids],
+                                                             [draft_len[r] for r in row_ids])
+                if not any(n_drafted):
+                    drafted = None
+            window_ids = window_in[:, start:end]
             logits, cache_blk, cache_valid = block_step(model, cache, cache_blk, cache_valid, window_ids,
                                                         win_pos[:, start:end], pre + k, pending, keep=cols,
-                                                        retain=settle - start)
+                                                        retain=settle - start, mask_memo=mask_memo,
+                                                        hidden=None if drafted is None else drafted[:, start:end])
             pending = None
             n_forward, n_steps = n_forward + 1, n_steps + 1
             n_columns += end - start
             in_window = eligible & (arange_b < end)[None] if end < B else eligible
             commit, tok, lp = choose_commits(logits, cols + start, canvas, in_window, last_step, tau, temperature,
-                                             generator, commit_rule, eos_token_id if hold_eos else None)
+                                             generator, commit_rule, eos_token_id if hold_eos else None,
+                                             drafted, window_in)
             canvas = torch.where(commit, tok, canvas)
             step_of = torch.where(commit, s, step_of)
             lp_blk = torch.where(commit, lp, lp_blk)
+            if lookup_drafts:  # the committed run grows the text the next drafts are looked up in
+                rows_now = torch.cat([canvas, (step_of >= 0).sum(1, keepdim=True)], 1).tolist()
+                for i, r in enumerate(row_ids):
+                    n = rows_now[i][-1]
+                    index[r].extend(rows_now[i][done[i]:n])
+                    if n_drafted[i]:  # kept whole: draft one further; cut: halve (a wrong draft stops the run)
+                        whole = n - done[i] > n_drafted[i]
+                        draft_len[r] = min(draft_len[r] + 1, DEFAULT_K_MAX) if whole else max(draft_len[r] // 2, 1)
+                    done[i] = n
             start = settle
         if start:  # the block's reused columns leave the cache: its clean window is written next
             crop(cache, start)
@@ -228,19 +290,46 @@ def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, 
     return res
 
 
-def choose_commits(logits, cols, canvas, eligible, force, tau, temperature, generator, commit_rule, hold_eos_id):
+def draft_inputs(window_in, done, indexes, lengths):
+    """The window's inputs with lookup drafts: for each row, up to lengths[i] tokens continuing its
+    text (prompt and committed answer) fill the inputs after its leftmost masked position (column j
+    reads the token at j - 1, so the draft of position done + i is the input of column done + 1 + i).
+    The inputs after a draft keep the mask token, so the plain rule commits there on confidence.
+    Returns (inputs, drafted, n_drafted): drafted (b, B) marks the columns whose input is a draft."""
+    b, B = window_in.shape
+    drafts = torch.full((b, B), -1, dtype=torch.long)
+    n_drafted = []
+    for i, (n, ix, k) in enumerate(zip(done, indexes, lengths)):
+        d = ix.draft(min(k, B - 1 - n))
+        if d:
+            drafts[i, n + 1:n + 1 + len(d)] = torch.tensor(d, dtype=torch.long)
+        n_drafted.append(len(d))
+    drafts = drafts.to(window_in.device)
+    drafted = drafts >= 0
+    return torch.where(drafted, drafts, window_in), drafted, n_drafted
+
+
+def choose_commits(logits, cols, canvas, eligible, force, tau, temperature, generator, commit_rule, hold_eos_id,
+                   drafted=None, inputs=None):
     """One step's choice: tokens for the `cols` that have logits, put back at their block columns
     (columns without logits are not eligible, so never committed), and which eligible positions
     commit. force: commit every eligible position (a bool, or per row (b,)); hold_eos_id: the EOS id
-    to hold (commit_confident's `hold`), or None. Returns (commit, tokens, logprobs), each (b, B)."""
+    to hold (commit_confident's `hold`), or None; drafted / inputs: the columns whose input was a
+    lookup draft and the window's inputs (draft_inputs), or None. Returns (commit, tokens,
+    logprobs), each (b, B)."""
     tok_c, lp_c, conf_c = pick_tokens(logits, temperature, generator=generator)
     tok, lp = canvas.clone(), torch.zeros(canvas.shape, device=canvas.device)
     conf = torch.zeros_like(lp)
     tok[:, cols], lp[:, cols], conf[:, cols] = tok_c, lp_c, conf_c
     hold = tok == hold_eos_id if hold_eos_id is not None else None  # commit_confident only looks at eligible ones
+    confirmed = None
+    if drafted is not None:  # column j's draft is confirmed when it is the token chosen at j - 1
+        confirmed = torch.zeros_like(drafted)
+        confirmed[:, 1:] = drafted[:, 1:] & (inputs[:, 1:] == tok[:, :-1])
     if isinstance(force, bool):
-        return commit_confident(conf, eligible, tau, force_all=force, rule=commit_rule, hold=hold), tok, lp
-    commit = commit_confident(conf, eligible, tau, rule=commit_rule, hold=hold)
+        return commit_confident(conf, eligible, tau, force_all=force, rule=commit_rule, hold=hold, drafted=drafted,
+                                confirmed=confirmed), tok, lp
+    commit = commit_confident(conf, eligible, tau, rule=commit_rule, hold=hold, drafted=drafted, confirmed=confirmed)
     return torch.where(force[:, None], eligible, commit), tok, lp
 
 

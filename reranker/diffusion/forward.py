@@ -83,7 +83,8 @@ def pick_tokens(logits, temperature=0.0, top_p=1.0, generator=None):
     return tokens, lp, lp.exp()
 
 
-def commit_confident(confidence, eligible, tau, force_all=False, rule=DEFAULT_COMMIT_RULE, hold=None):
+def commit_confident(confidence, eligible, tau, force_all=False, rule=DEFAULT_COMMIT_RULE, hold=None,
+                     drafted=None, confirmed=None):
     """Which positions to commit this step.
 
     rule "confidence" (the paper's): every eligible (still masked) position whose confidence is
@@ -101,11 +102,20 @@ def commit_confident(confidence, eligible, tau, force_all=False, rule=DEFAULT_CO
     are committed only as the one position a step must commit (the leftmost under "prefix", the
     most confident under "confidence"). The decoder holds EOS this way on request: under "prefix" an
     answer then never ends in the same step as the tokens before its end.
+    drafted / confirmed: optional (b, B) bool, "prefix" only (lookup drafts, diffusion_decode): a
+    drafted position's input token was a draft, not the mask; it is sure exactly when `confirmed`
+    (the token chosen just before it equals that draft, so it read the block as committed through
+    its left neighbour, as the leftmost masked position of the next step would), whatever its
+    confidence, and never on confidence alone after a draft that was not confirmed.
     """
     check_commit_rule(rule)
     if force_all:
         return eligible.clone()
     sure = eligible & (confidence >= tau)
+    if drafted is not None:
+        if rule != "prefix":
+            raise ValueError("drafted positions need the 'prefix' commit rule")
+        sure = torch.where(drafted, eligible & confirmed, sure)
     if hold is not None:
         sure = sure & ~hold
     if rule == "prefix":

@@ -173,7 +173,7 @@ def hf_generate(model, prompts, max_new_tokens, eos_token_id, pad_token_id):
 
 def _run(kind, model, prompts, batch_size, max_new_tokens, eos, pad, tau=None, block_size=None,
          mask_token_id=None, max_steps_per_block=None, commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False,
-         schedule="lockstep", window=None, reuse_settled=False):
+         schedule="lockstep", window=None, reuse_settled=False, lookup_drafts=False):
     """Decode every prompt once in chunks of batch_size; returns timing and counts (and tokens).
     kind: "ar", "hf_generate", "ar_lookup" or "diffusion"."""
     seconds, n_forward, rows_per_tok, tokens, row_steps = 0.0, 0, 0.0, [], 0
@@ -191,7 +191,8 @@ def _run(kind, model, prompts, batch_size, max_new_tokens, eos, pad, tau=None, b
             elif kind == "ar_lookup":
                 res = ar_lookup_decode(model, chunk, max_new_tokens, eos, pad)
             else:  # rows in lockstep through each block, or each row through its own (SCHEDULES)
-                approx = dict(window=window, reuse_settled=reuse_settled) if schedule == "lockstep" else {}
+                approx = (dict(window=window, reuse_settled=reuse_settled, lookup_drafts=lookup_drafts)
+                          if schedule == "lockstep" else {})
                 decode = diffusion_decode if schedule == "lockstep" else diffusion_decode_independent
                 res = decode(model, chunk, max_new_tokens, block_size, mask_token_id, eos, pad, tau=tau,
                              temperature=0.0, max_steps_per_block=max_steps_per_block,
@@ -232,7 +233,7 @@ def _run(kind, model, prompts, batch_size, max_new_tokens, eos, pad, tau=None, b
 def _interleaved(ar_model, diff_model, prompts, batch_size, taus, max_new_tokens, repeats, warmup, eos, pad,
                  block_size, mask_token_id, max_steps_per_block, exact_length=None, progress=None,
                  commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False, exact_decoders=EXACT_DECODERS,
-                 schedule="lockstep", window=None, reuse_settled=False):
+                 schedule="lockstep", window=None, reuse_settled=False, lookup_drafts=False):
     """AR, every exact decoder (on the AR model) and every tau, once per repeat, back to back;
     returns (ar summary, [exact decoder summaries], [tau summaries])."""
     configs = [("ar", None)] + [(d, None) for d in exact_decoders] + [("diffusion", t) for t in taus]
@@ -242,7 +243,7 @@ def _interleaved(ar_model, diff_model, prompts, batch_size, taus, max_new_tokens
         for kind, tau in order:
             m = diff_model if kind == "diffusion" else ar_model
             res = _run(kind, m, prompts, batch_size, max_new_tokens, eos, pad, tau, block_size, mask_token_id,
-                       max_steps_per_block, commit_rule, hold_eos, schedule, window, reuse_settled)
+                       max_steps_per_block, commit_rule, hold_eos, schedule, window, reuse_settled, lookup_drafts)
             if exact_length is not None and any(len(t) != exact_length for t in res["tokens"]):
                 got = sorted({len(t) for t in res["tokens"]})
                 raise RuntimeError(f"{kind} decoder did not generate exactly {exact_length} tokens per row with "
@@ -448,7 +449,7 @@ def speedup_ceiling(fc: dict, length: int, steps_per_block=(1, 2)) -> dict:
 
 def accuracy_points(engine_ar, engine_diff, examples, taus, block_size=None, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
                     batch_size=8, progress=False, commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False,
-                    lookup=False, window=None, reuse_settled=False) -> dict:
+                    lookup=False, window=None, reuse_settled=False, lookup_drafts=False) -> dict:
     """Recall@1/@3, NDCG@3, valid rate of AR and of diffusion at each tau (reranker.eval.evaluate on
     `examples`), with the paired bootstrap CI of each diffusion point against AR. lookup: also the
     AR model with decoder ar_lookup ("ar_lookup"), with the share of examples whose target it ranks
@@ -474,7 +475,8 @@ def accuracy_points(engine_ar, engine_diff, examples, taus, block_size=None, max
         out["ar_lookup"] = {**pick(rep), "same_target_rank_as_ar": float(np.mean(np.asarray(rep["ranks"]) == ar_ranks))}
     for tau in taus:
         opts = DecodeOptions(decoder="diffusion", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
-                             commit_rule=commit_rule, hold_eos=hold_eos, window=window, reuse_settled=reuse_settled)
+                             commit_rule=commit_rule, hold_eos=hold_eos, window=window, reuse_settled=reuse_settled,
+                             lookup_drafts=lookup_drafts)
         rep = evaluate(engine_diff, examples, opts, batch_size, progress=progress)
         cmp = compare(ar_ranks, np.asarray(rep["ranks"]))
         out["diffusion"].append({"tau": tau, **pick(rep), "vs_ar": {k: cmp[k] for k in ("recall@1", "ndcg@3")},
@@ -490,7 +492,7 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
                   lengths=DEFAULT_LENGTHS, length_taus=DEFAULT_LENGTH_TAUS, length_batch_sizes=None, forward_blocks=DEFAULT_FORWARD_BLOCKS,
                   forward_iters=20, context=None, accuracy=None, accuracy_batch_size=8, progress=None,
                   commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False, exact_decoders=(), schedule="lockstep",
-                  window=None, reuse_settled=False) -> dict:
+                  window=None, reuse_settled=False, lookup_drafts=False) -> dict:
     """Side-by-side decode speed of AR (`ar_model`) and block diffusion (`diff_model`) on `prompts`
     (token-id lists). See the module docstring for what each number means.
 
@@ -510,8 +512,8 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
         raise ValueError("need at least one non-empty prompt")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule: must be one of {SCHEDULES}, got {schedule!r}")
-    if schedule != "lockstep" and (window is not None or reuse_settled):
-        raise ValueError("window and reuse_settled are options of the lockstep schedule")
+    if schedule != "lockstep" and (window is not None or reuse_settled or lookup_drafts):
+        raise ValueError("window, reuse_settled and lookup_drafts are options of the lockstep schedule")
     exact_decoders = tuple(exact_decoders)
     unknown = [d for d in exact_decoders if d not in EXACT_DECODERS]
     if unknown or len(set(exact_decoders)) < len(exact_decoders):
@@ -540,7 +542,7 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
     kw = dict(eos=eos_token_id, pad=pad_token_id, block_size=block_size, mask_token_id=mask_token_id,
               max_steps_per_block=max_steps_per_block, progress=progress, commit_rule=commit_rule,
               hold_eos=hold_eos, exact_decoders=exact_decoders, schedule=schedule, window=window,
-              reuse_settled=reuse_settled)
+              reuse_settled=reuse_settled, lookup_drafts=lookup_drafts)
     t_start = time.perf_counter()
     gc.collect()
     gc.freeze()  # long-lived objects (models, modules) leave the collector: cheap young-generation passes
@@ -569,7 +571,7 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
                 acc = accuracy_points(engine_ar, engine_diff, examples, taus, block_size, max_new_tokens,
                                       accuracy_batch_size, commit_rule=commit_rule, hold_eos=hold_eos,
                                       lookup="ar_lookup" in exact_decoders, window=window,
-                                      reuse_settled=reuse_settled)
+                                      reuse_settled=reuse_settled, lookup_drafts=lookup_drafts)
                 by_tau = {p["tau"]: p for p in acc["diffusion"]}
                 for row in batches:
                     row["ar"].update({"recall@1": acc["ar"]["recall@1"], "valid_rate": acc["ar"]["valid_rate"]})
@@ -587,6 +589,7 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
                      "max_new_tokens": max_new_tokens, "max_steps_per_block": max_steps_per_block or block_size,
                      "commit_rule": commit_rule, "hold_eos": bool(hold_eos), "exact_decoders": list(exact_decoders),
                      "schedule": schedule, "window": window, "reuse_settled": bool(reuse_settled),
+                     "lookup_drafts": bool(lookup_drafts),
                      "repeats": repeats, "warmup": warmup, "taus": list(taus), "batch_sizes": [int(b) for b in batch_sizes],
                      "lengths": [int(x) for x in lengths], "length_taus": [float(t) for t in length_taus],
                      "n_prompts": len(prompts), "mean_prompt_tokens": float(np.mean([len(p) for p in prompts])),
@@ -663,10 +666,10 @@ def run_speed_benchmark(ar_dir, diff_dir, data_dir, out_json=None, n_prompts=8, 
     engine_diff = RerankEngine.load(diff_dir, data_dir, device=device)
     # settings not given: the diffusion model's recorded ones (reranker.decoding); the taus are a sweep
     given = {k: kw.pop(k, None) for k in ("commit_rule", "hold_eos", "max_new_tokens", "block_size", "window",
-                                          "reuse_settled")}
+                                          "reuse_settled", "lookup_drafts")}
     d = engine_diff.decode_options({**given, "decoder": "diffusion"})
     kw.update(commit_rule=d.commit_rule, hold_eos=d.hold_eos, max_new_tokens=d.max_new_tokens,
-              block_size=d.block_size, window=d.window, reuse_settled=d.reuse_settled)
+              block_size=d.block_size, window=d.window, reuse_settled=d.reuse_settled, lookup_drafts=d.lookup_drafts)
     examples = load_examples(Path(data_dir) / f"{split}.jsonl")
     rep = speed_benchmark_from_engines(engine_ar, engine_diff, examples, n_prompts, accuracy=accuracy,
                                        accuracy_limit=accuracy_limit, **kw)

@@ -36,7 +36,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 << 20  # the client lets the server decide what i
 def decode_options(decoder: str | None = None, tau: float | None = None, block_size: int | None = None,
                    return_reasoning: bool = False, top_k: int = 0, max_new_tokens: int | None = None,
                    commit_rule: str | None = None, hold_eos: bool | None = None, window: int | None = None,
-                   reuse_settled: bool | None = None) -> pb.DecodeOptions:
+                   reuse_settled: bool | None = None, lookup_drafts: bool | None = None) -> pb.DecodeOptions:
     """proto DecodeOptions; None leaves a field unset (the server's default: its flags, else the
     model's recorded setting). The server validates the values."""
     if decoder not in DECODERS:
@@ -46,7 +46,8 @@ def decode_options(decoder: str | None = None, tau: float | None = None, block_s
     opts = pb.DecodeOptions(decoder=DECODERS[decoder], commit_rule=COMMIT_RULES[commit_rule],
                             return_reasoning=return_reasoning, top_k=top_k)
     for name, value in (("tau", tau), ("block_size", block_size), ("max_new_tokens", max_new_tokens),
-                        ("hold_eos", hold_eos), ("window", window), ("reuse_settled", reuse_settled)):
+                        ("hold_eos", hold_eos), ("window", window), ("reuse_settled", reuse_settled),
+                        ("lookup_drafts", lookup_drafts)):
         if value is not None:
             setattr(opts, name, value)
     return opts
@@ -90,9 +91,9 @@ class RerankerClient:
                block_size: int | None = None, return_reasoning: bool = False, top_k: int = 0,
                max_new_tokens: int | None = None, timeout: float | None = None, commit_rule: str | None = None,
                hold_eos: bool | None = None, window: int | None = None,
-               reuse_settled: bool | None = None) -> pb.RerankResponse:
+               reuse_settled: bool | None = None, lookup_drafts: bool | None = None) -> pb.RerankResponse:
         opts = decode_options(decoder, tau, block_size, return_reasoning, top_k, max_new_tokens, commit_rule, hold_eos,
-                              window, reuse_settled)
+                              window, reuse_settled, lookup_drafts)
         return self.send(rerank_request(candidates, history, scores, user_id, opts), timeout)
 
     def send(self, request: pb.RerankRequest, timeout: float | None = None) -> pb.RerankResponse:
@@ -104,9 +105,9 @@ class RerankerClient:
                   return_reasoning: bool = False, top_k: int = 0, max_new_tokens: int | None = None,
                   timeout: float | None = None, commit_rule: str | None = None,
                   hold_eos: bool | None = None, window: int | None = None,
-                  reuse_settled: bool | None = None) -> pb.RecommendResponse:
+                  reuse_settled: bool | None = None, lookup_drafts: bool | None = None) -> pb.RecommendResponse:
         opts = decode_options(decoder, tau, block_size, return_reasoning, top_k, max_new_tokens, commit_rule, hold_eos,
-                              window, reuse_settled)
+                              window, reuse_settled, lookup_drafts)
         req = pb.RecommendRequest(user_id=user_id, history=list(history), num_candidates=num_candidates, options=opts)
         return self.stub.Recommend(req, timeout=timeout or self.timeout)
 
@@ -165,7 +166,8 @@ def client_main(argv: Sequence[str] | None = None) -> int:
     decode = argparse.ArgumentParser(add_help=False)
     decode.add_argument("--history", help="comma-separated item ids, oldest first")
     decode.add_argument("--user", default="")
-    names = ("decoder", "tau", "block_size", "commit_rule", "hold_eos", "max_new_tokens", "window", "reuse_settled")
+    names = ("decoder", "tau", "block_size", "commit_rule", "hold_eos", "max_new_tokens", "window", "reuse_settled",
+             "lookup_drafts")
     add_decode_flags(decode, names, {n: "unset: the server's default" for n in names})
     decode.add_argument("--reasoning", action="store_true", help="return the reasoning trace")
     decode.add_argument("--top-k", type=int, default=0)
@@ -186,7 +188,8 @@ def client_main(argv: Sequence[str] | None = None) -> int:
                 return 0
             kw = dict(decoder=args.decoder, tau=args.tau, block_size=args.block_size, commit_rule=args.commit_rule,
                       hold_eos=args.hold_eos, return_reasoning=args.reasoning, top_k=args.top_k,
-                      max_new_tokens=args.max_new_tokens, window=args.window, reuse_settled=args.reuse_settled)
+                      max_new_tokens=args.max_new_tokens, window=args.window, reuse_settled=args.reuse_settled,
+                      lookup_drafts=args.lookup_drafts)
             if args.call == "rerank":
                 row = _request_file(args.request) if args.request else {}
                 candidates = _ids(args.candidates) or row.get("candidates", [])

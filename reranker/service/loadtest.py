@@ -240,7 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--concurrency", default="8", help="comma-separated, e.g. 1,8,32")
     p.add_argument("--decoders", default="ar", help="comma-separated: ar,diffusion")
     p.add_argument("--duration-limit-s", type=float, default=600.0, help="per configuration")
-    names = ("tau", "block_size", "commit_rule", "hold_eos", "max_new_tokens", "window", "reuse_settled")
+    names = ("tau", "block_size", "commit_rule", "hold_eos", "max_new_tokens", "window", "reuse_settled",
+             "lookup_drafts")
     add_decode_flags(p, names, {n: "unset: the server's default" for n in names})
     p.add_argument("--tls-ca")
     p.add_argument("--timeout-s", type=float, default=30.0)

@@ -83,7 +83,7 @@ def validate_options(opts: pb.DecodeOptions, limits: ServiceLimits, diffusion_av
                                                          f"COMMIT_RULE_CONFIDENCE or COMMIT_RULE_PREFIX")
         values["commit_rule"] = COMMIT_RULE_NAMES[opts.commit_rule]
     for name, cast in (("tau", _wire_float), ("block_size", int), ("max_new_tokens", int), ("hold_eos", bool),
-                       ("window", int), ("reuse_settled", bool)):
+                       ("window", int), ("reuse_settled", bool), ("lookup_drafts", bool)):
         if opts.HasField(name):
             values[name] = cast(getattr(opts, name))
     max_new = values.get("max_new_tokens")

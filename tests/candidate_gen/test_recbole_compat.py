@@ -2,8 +2,10 @@
 root-logger INFO lines, its "command line args ... will not be used" warning and its per-epoch bars
 (our own epoch bar and log line stay)."""
 import logging
+import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 from candidate_gen.recbole_compat import recbole_compat
 
@@ -49,3 +51,25 @@ def test_sasrec_training_is_quiet(tmp_path, tiny_catalog, capfd, caplog, monkeyp
     assert "Train     0" not in err and "Evaluate   " not in err  # RecBole's bars
     assert any(r.name == "candidate_gen.sasrec" and r.getMessage().startswith("SASRec: 2 of at most 2 epochs")
                for r in caplog.records)
+
+
+def test_recbole_model_imports_leave_torch_anomaly_detection_off():
+    """RecBole's sine.py turns torch's anomaly detection on for the whole process when its model
+    package is imported (every later backward then ran 2.2x slower). In a fresh interpreter (this
+    one may have imported it already), importing it through either of our entry points leaves the
+    mode as it was."""
+    code = ("import torch\n"
+            "from candidate_gen.recbole_compat import recbole_compat\n"
+            "with recbole_compat():\n"
+            "    import recbole.model.sequential_recommender\n"
+            "import recbole.model.sequential_recommender.sine\n"
+            "a = torch.is_anomaly_enabled()\n"
+            "import importlib, sys\n"
+            "for m in [m for m in sys.modules if m.startswith('recbole.model')]:\n"
+            "    del sys.modules[m]\n"
+            "import integration.recbole_model\n"
+            "print(a, torch.is_anomaly_enabled())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["False", "False"], out.stdout

@@ -28,7 +28,7 @@ COMMIT_RULE_CONFIDENCE: CommitRule
 COMMIT_RULE_PREFIX: CommitRule
 
 class DecodeOptions(_message.Message):
-    __slots__ = ("decoder", "tau", "block_size", "return_reasoning", "top_k", "max_new_tokens", "commit_rule", "hold_eos", "window", "reuse_settled")
+    __slots__ = ("decoder", "tau", "block_size", "return_reasoning", "top_k", "max_new_tokens", "commit_rule", "hold_eos", "window", "reuse_settled", "lookup_drafts")
     DECODER_FIELD_NUMBER: _ClassVar[int]
     TAU_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class DecodeOptions(_message.Message):
     HOLD_EOS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     REUSE_SETTLED_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     decoder: Decoder
     tau: float
     block_size: int
@@ -49,7 +50,8 @@ class DecodeOptions(_message.Message):
     hold_eos: bool
     window: int
     reuse_settled: bool
-    def __init__(self, decoder: _Optional[_Union[Decoder, str]] = ..., tau: _Optional[float] = ..., block_size: _Optional[int] = ..., return_reasoning: _Optional[bool] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., commit_rule: _Optional[_Union[CommitRule, str]] = ..., hold_eos: _Optional[bool] = ..., window: _Optional[int] = ..., reuse_settled: _Optional[bool] = ...) -> None: ...
+    lookup_drafts: bool
+    def __init__(self, decoder: _Optional[_Union[Decoder, str]] = ..., tau: _Optional[float] = ..., block_size: _Optional[int] = ..., return_reasoning: _Optional[bool] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., commit_rule: _Optional[_Union[CommitRule, str]] = ..., hold_eos: _Optional[bool] = ..., window: _Optional[int] = ..., reuse_settled: _Optional[bool] = ..., lookup_drafts: _Optional[bool] = ...) -> None: ...
 
 class Candidate(_message.Message):
     __slots__ = ("item_id", "score")

@@ -264,3 +264,62 @@ def test_window_and_settled_reuse_are_exact_when_no_column_sees_a_later_one(monk
     assert [len(t) for t in approx.tokens] and all(tr.committed[:tr.length].all() for tr in approx.trajectories)
     with pytest.raises(ValueError, match="window"):
         diffusion_decode(model, prompts, 4, 4, MASK, eos, window=0)
+
+
+def test_lookup_drafts_are_speculative_decoding_when_no_column_sees_a_later_one(monkeypatch):
+    """With tau > 1 the prefix rule commits one token per step in AR order. Under a mask where no
+    column sees a later one, a position whose left neighbour confirmed its draft reads exactly what
+    it would read as the next step's leftmost position, so lookup drafts must decode the same tokens
+    (and log-probs) in fewer steps whenever a draft is confirmed, and never commit past a draft the
+    model did not choose. Prompts that repeat themselves give the lookup something to find."""
+    from reranker.diffusion import diffusion_decoder
+
+    model = model_for("sdpa")
+    base = prompts_for(3)
+    monkeypatch.setattr(diffusion_decoder, "block_causal_mask", _causal_within_blocks)  # this test only
+    plain_out = diffusion_decode(model, base, 24, 6, MASK, -1, tau=1.1, commit_rule="prefix").tokens
+    # each prompt followed by its own continuation: the continuation of that is often a repeat of it
+    prompts = [p + t + p for p, t in zip(base, plain_out)]
+    eos = frequent_token(model, prompts)
+    plain = diffusion_decode(model, prompts, 24, 6, MASK, eos, tau=1.1, commit_rule="prefix")
+    drafted = diffusion_decode(model, prompts, 24, 6, MASK, eos, tau=1.1, commit_rule="prefix", lookup_drafts=True)
+    assert drafted.tokens == plain.tokens
+    for a, b in zip(drafted.trajectories, plain.trajectories):
+        torch.testing.assert_close(a.logprobs[:a.length], b.logprobs[:b.length], atol=1e-5, rtol=0)
+    assert drafted.n_steps < plain.n_steps  # some drafts were confirmed
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="prefix"):
+        diffusion_decode(model, prompts, 4, 4, MASK, eos, commit_rule="confidence", lookup_drafts=True)
+
+
+def test_an_unconfirmed_draft_stops_the_run():
+    """commit_confident with drafts: a drafted position passes only when confirmed, even when the
+    model is sure of it, and a confirmed one passes even when unsure."""
+    conf = torch.tensor([[0.2, 0.99, 0.1, 0.99, 0.99]])
+    eligible = torch.ones(1, 5, dtype=torch.bool)
+    drafted = torch.tensor([[False, True, True, True, False]])
+    confirmed = torch.tensor([[False, True, True, False, False]])
+    got = commit_confident(conf, eligible, 0.9, rule="prefix", drafted=drafted, confirmed=confirmed)
+    assert got.tolist() == [[True, True, True, False, False]]
+    plain = commit_confident(conf, eligible, 0.9, rule="prefix")
+    assert plain.tolist() == [[True, True, False, False, False]]
+
+
+def test_hidden_draft_columns_do_not_reach_earlier_columns():
+    """block_step's `hidden`: a draft is a guess, so the columns before it must decode as if it were
+    any other token; the columns after it do see it."""
+    model, prompts = model_for("sdpa"), prompts_for(4)[:2]
+    ids, plen = left_pad(prompts, PAD)
+    B = 5
+    hidden = torch.tensor([[False, False, True, True, False]] * 2)
+    logits = []
+    for fill in (7, 11):
+        cache, blk, valid, _ = prefill(model, ids, plen)
+        window = torch.full((2, B), MASK)
+        window[:, 0] = ids[:, -1]
+        window[:, 2:4] = fill  # the drafted inputs differ between the two runs
+        pos = (ids.shape[1] - 1 + torch.arange(B))[None] - (ids.shape[1] - plen)[:, None]
+        out, _, _ = block_step(model, cache, blk, valid, window, pos, ids.shape[1] - 1, hidden=hidden)
+        logits.append(out)
+    torch.testing.assert_close(logits[0][:, :2], logits[1][:, :2])  # before the drafts: unchanged
+    assert not torch.allclose(logits[0][:, 4], logits[1][:, 4])  # after them: they are seen

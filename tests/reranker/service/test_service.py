@@ -631,6 +631,7 @@ def test_grpc_rankings_equal_eval_outputs(dirs, tmp_path):
         (dirs["diffusion"], prefix),
         (recorded, {}),  # nothing sent: the model's recorded prefix settings
         (dirs["diffusion"], dict(prefix, window=2, reuse_settled=True)),  # the approximations reach the decoder
+        (dirs["diffusion"], dict(prefix, lookup_drafts=True)),  # and the lookup drafts
     ]
     texts = []
     for model_dir, settings in cases:
@@ -662,6 +663,7 @@ def test_grpc_rankings_equal_eval_outputs(dirs, tmp_path):
         if model_dir == recorded or settings.get("commit_rule") == "prefix":
             assert (options.commit_rule, options.hold_eos) == ("prefix", True)
         assert (options.window, options.reuse_settled) == (settings.get("window"), settings.get("reuse_settled", False))
+        assert options.lookup_drafts == settings.get("lookup_drafts", False)
         assert [t for _, ts in seen for t in ts] == [w["text"] for w in expected]
         texts.append([w["text"] for w in expected])
     assert texts[1] != texts[2] and texts[2] == texts[3]  # the rule changes the decode; the record is used
