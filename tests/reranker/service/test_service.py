@@ -771,9 +771,11 @@ def test_sigterm_exits_within_grace_plus_one_second(dirs):
     proc, target, lines, reader = launch_server(dirs["model"], dirs["data"], "--max-batch", "1",
                                                 "--max-new-tokens", "1500", "--drain-grace-s", str(grace))
     try:
-        with RerankerClient(target, timeout=60) as c, ThreadPoolExecutor(3) as pool:
+        # six decodes of 1,500 tokens, one at a time: several seconds of work in all, far more than the
+        # grace, though one of them may finish inside it on a fast machine
+        with RerankerClient(target, timeout=60) as c, ThreadPoolExecutor(6) as pool:
             futures = [pool.submit(code_of, lambda k=k: c.rerank(ITEMS[k:k + 10], ["i20"], max_new_tokens=1500))
-                       for k in range(3)]  # seconds each, one at a time: far more than the grace
+                       for k in range(6)]
             time.sleep(0.5)
             sent = time.monotonic()
             proc.send_signal(signal.SIGTERM)
@@ -782,7 +784,9 @@ def test_sigterm_exits_within_grace_plus_one_second(dirs):
             codes = [f.result(30)[0] for f in futures]
         assert rc == 0
         assert took <= grace + 1.0, f"exited {took:.2f} s after SIGTERM with a {grace} s grace"
-        assert grpc.StatusCode.OK not in codes  # the work outlasted the grace: it was cut, not waited for
+        # the work outlasted the grace: what was left of it was cut, not waited for
+        assert codes.count(grpc.StatusCode.OK) < len(codes) and set(codes) <= {grpc.StatusCode.OK,
+                                                                              grpc.StatusCode.UNAVAILABLE}, codes
         reader.join(10)
         text = "".join(lines.get() for _ in range(lines.qsize()))
         assert "SIGTERM: draining" in text and "stopped" in text, text
