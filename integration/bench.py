@@ -285,17 +285,18 @@ def speed_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
     "mean_generated_tokens", "recall@1", "valid_rate"}, "points": [{"tau", "tokens_per_second": stats,
     "forward_passes_per_token", "tokens_per_step", "mean_generated_tokens", "speedup" (ratio of medians),
     "speedup_paired": stats (per-repeat ratios), "decode_speedup_paired": stats (the same without the
-    prompt prefill; files before it lack it), "same_tokens_as_ar", "recall@1", "valid_rate"}],
+    prompt prefill; files before it lack it), "same_tokens_as_ar", "recall@1", "valid_rate",
+    "lookup_drafts" (files before it lack it: false)}],
     "exact_decoders" (files before it lack it): [{"decoder" (hf_generate | ar_lookup), the fields of a
     point but "tau" and "tokens_per_step", "tokens_per_forward", "matches_ar"}]}],
     "length_curve": [{"length", "batch_size", "ar": {...}, "points": [...]}],
     "forward_cost": {"context", "rows": [{"batch_size", "one_token_ms": stats, "blocks": [{"block_size",
     "ms": stats, "ratio"}]}]} | null,
-    "accuracy": {"n", "split", "ar": {...}, "diffusion": [{"tau", "recall@1", "valid_rate", "vs_ar":
+    "accuracy": {"n", "split", "ar": {...}, "diffusion": [{"tau", "lookup_drafts", "recall@1", "valid_rate", "vs_ar":
     {"recall@1": {"diff", "ci_low", "ci_high"}}}]} | null}
     """
     out = [f"### {name}", "", _speed_intro(r), ""]
-    acc = {p.get("tau"): p for p in ((r.get("accuracy") or {}).get("diffusion") or [])}
+    acc = {(p.get("tau"), bool(p.get("lookup_drafts"))): p for p in ((r.get("accuracy") or {}).get("diffusion") or [])}
     out += ["| batch | decoder | tok/s | forward passes / token | tokens / step | generated tokens / row | "
             "speed-up (ratio of medians) | speed-up per repeat | decode phase (no prefill), per repeat | R@1 | "
             "R@1 vs AR [95% CI] | valid rate |",
@@ -315,8 +316,9 @@ def speed_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
         sched = (r.get("settings") or {}).get("schedule", "lockstep")
         sched = "" if sched == "lockstep" else f", {sched} rows"
         for p in row.get("points") or []:
-            vs = ((acc.get(p.get("tau")) or {}).get("vs_ar") or {}).get("recall@1")
-            out.append(f"| {b} | diffusion τ={_fmt(p.get('tau'), 2)}{sched} | {_stat(p.get('tokens_per_second'))} | "
+            vs = ((acc.get((p.get("tau"), bool(p.get("lookup_drafts")))) or {}).get("vs_ar") or {}).get("recall@1")
+            drafts = ", lookup drafts" if p.get("lookup_drafts") else ""
+            out.append(f"| {b} | diffusion τ={_fmt(p.get('tau'), 2)}{sched}{drafts} | {_stat(p.get('tokens_per_second'))} | "
                        f"{_fmt(p.get('forward_passes_per_token'), 3)} | {_fmt(p.get('tokens_per_step'), 2)} | "
                        f"{_fmt(p.get('mean_generated_tokens'), 1)} | {_fmt(p.get('speedup'), 2)} | "
                        f"{_stat(p.get('speedup_paired'), 2)} | {_stat(p.get('decode_speedup_paired'), 2)} | "

@@ -422,7 +422,8 @@ def measure_final_speed(ar_dir: Path, diff_dir: Path, data_dir: Path, scfg: dict
         warmup=int(scfg.get("warmup", 1)), threads=scfg.get("threads"), lengths=(), forward_blocks=(),
         commit_rule=opts.commit_rule, hold_eos=opts.hold_eos, window=opts.window, reuse_settled=opts.reuse_settled,
         lookup_drafts=opts.lookup_drafts)
-    point = rep["batches"][0]["points"][0]
+    # the student as it is served: with lookup drafts when it records them (the plain point is timed beside it)
+    point = next(p for p in rep["batches"][0]["points"] if p["lookup_drafts"] == opts.lookup_drafts)
     out = {"seconds": time.time() - t0, "batch1_speedup": point["speedup"], "speedup_paired": point["speedup_paired"], "tau": opts.tau,
            "batch_size": 1, "commit_rule": opts.commit_rule, "hold_eos": opts.hold_eos,
            "lookup_drafts": opts.lookup_drafts,
@@ -431,6 +432,10 @@ def measure_final_speed(ar_dir: Path, diff_dir: Path, data_dir: Path, scfg: dict
            "diffusion_tokens_per_step": point.get("tokens_per_step"),
            "n_prompts": rep["settings"]["n_prompts"], "repeats": rep["settings"]["repeats"],
            "torch_threads": rep["machine"].get("torch_threads"), "speed_key": key}
+    if opts.lookup_drafts:  # the same student without the drafts, timed in the same repeats
+        plain = next(p for p in rep["batches"][0]["points"] if not p["lookup_drafts"])
+        out["without_lookup_drafts"] = {"batch1_speedup": plain["speedup"], "speedup_paired": plain["speedup_paired"],
+                                        "diffusion_tokens_per_step": plain.get("tokens_per_step")}
     atomic_write_text(path, json.dumps(out, indent=2))
     return out
 
@@ -464,5 +469,11 @@ def format_summary(summary: dict) -> str:
         lines.append(f"speed, side by side at batch 1 (tau {sp['tau']}, {sp.get('commit_rule')} rule): final student "
                      f"{sp['batch1_speedup']:.2f}x its AR teacher (paired {paired.get('min', float('nan')):.2f}-"
                      f"{paired.get('max', float('nan')):.2f}x over {sp.get('repeats')} repeats, "
-                     f"{sp.get('torch_threads')} threads)")
+                     f"{sp.get('torch_threads')} threads)"
+                     + (f", {sp['diffusion_tokens_per_step']:.2f} tokens per step" if sp.get("diffusion_tokens_per_step")
+                        else ""))
+        plain = sp.get("without_lookup_drafts")
+        if plain:
+            lines.append(f"  with lookup drafts; without them, in the same repeats: {plain['batch1_speedup']:.2f}x "
+                         f"({plain['diffusion_tokens_per_step']:.2f} tokens per step)")
     return "\n".join(lines)

@@ -235,24 +235,28 @@ def _interleaved(ar_model, diff_model, prompts, batch_size, taus, max_new_tokens
                  commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False, exact_decoders=EXACT_DECODERS,
                  schedule="lockstep", window=None, reuse_settled=False, lookup_drafts=False):
     """AR, every exact decoder (on the AR model) and every tau, once per repeat, back to back;
-    returns (ar summary, [exact decoder summaries], [tau summaries])."""
-    configs = [("ar", None)] + [(d, None) for d in exact_decoders] + [("diffusion", t) for t in taus]
+    returns (ar summary, [exact decoder summaries], [tau summaries]). With lookup_drafts each tau is
+    timed twice, without and with the drafts (each point says which)."""
+    variants = (False, True) if lookup_drafts else (False,)
+    configs = ([("ar", None, False)] + [(d, None, False) for d in exact_decoders]
+               + [("diffusion", t, v) for t in taus for v in variants])
     runs = {c: [] for c in configs}
     for r in range(warmup + repeats):
         order = configs if r % 2 == 0 else configs[::-1]
-        for kind, tau in order:
+        for kind, tau, drafts in order:
             m = diff_model if kind == "diffusion" else ar_model
             res = _run(kind, m, prompts, batch_size, max_new_tokens, eos, pad, tau, block_size, mask_token_id,
-                       max_steps_per_block, commit_rule, hold_eos, schedule, window, reuse_settled, lookup_drafts)
+                       max_steps_per_block, commit_rule, hold_eos, schedule, window, reuse_settled, drafts)
             if exact_length is not None and any(len(t) != exact_length for t in res["tokens"]):
                 got = sorted({len(t) for t in res["tokens"]})
                 raise RuntimeError(f"{kind} decoder did not generate exactly {exact_length} tokens per row with "
                                    f"EOS disabled (eos_token_id={eos}); lengths {got}")
             if r >= warmup:
-                runs[(kind, tau)].append(res)
+                runs[(kind, tau, drafts)].append(res)
             if progress:
                 progress(f"b={batch_size} L={max_new_tokens} repeat {r - warmup + 1 if r >= warmup else 'warm-up'} "
-                         f"{kind}{'' if tau is None else f' tau={tau}'}: {res['tokens_per_second']:.1f} tok/s")
+                         f"{kind}{'' if tau is None else f' tau={tau}'}{' lookup drafts' if drafts else ''}: "
+                         f"{res['tokens_per_second']:.1f} tok/s")
 
     def summary(rs, kind):
         first = rs[0]
@@ -278,7 +282,7 @@ def _interleaved(ar_model, diff_model, prompts, batch_size, taus, max_new_tokens
                        draft_acceptance=first["accepted_tokens"] / max(first["drafted_tokens"], 1))
         return out
 
-    ar_runs = runs[("ar", None)]
+    ar_runs = runs[("ar", None, False)]
     ar = summary(ar_runs, "ar")
     ar_tokens = ar_runs[0]["tokens"]
 
@@ -296,15 +300,16 @@ def _interleaved(ar_model, diff_model, prompts, batch_size, taus, max_new_tokens
 
     exact = []
     for name in exact_decoders:
-        rs = runs[(name, None)]
+        rs = runs[(name, None, False)]
         p = against_ar(summary(rs, name), rs)
         # an exact decoder must write the AR decoder's greedy tokens on every measured prompt
         p["matches_ar"] = p["same_tokens_as_ar"] == 1.0
         exact.append(p)
     points = []
     for tau in taus:
-        rs = runs[("diffusion", tau)]
-        points.append(against_ar({"tau": tau, **summary(rs, "diffusion")}, rs))
+        for drafts in variants:
+            rs = runs[("diffusion", tau, drafts)]
+            points.append(against_ar({"tau": tau, "lookup_drafts": drafts, **summary(rs, "diffusion")}, rs))
     return ar, exact, points
 
 
@@ -474,13 +479,15 @@ def accuracy_points(engine_ar, engine_diff, examples, taus, block_size=None, max
                        batch_size, progress=progress)
         out["ar_lookup"] = {**pick(rep), "same_target_rank_as_ar": float(np.mean(np.asarray(rep["ranks"]) == ar_ranks))}
     for tau in taus:
-        opts = DecodeOptions(decoder="diffusion", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
-                             commit_rule=commit_rule, hold_eos=hold_eos, window=window, reuse_settled=reuse_settled,
-                             lookup_drafts=lookup_drafts)
-        rep = evaluate(engine_diff, examples, opts, batch_size, progress=progress)
-        cmp = compare(ar_ranks, np.asarray(rep["ranks"]))
-        out["diffusion"].append({"tau": tau, **pick(rep), "vs_ar": {k: cmp[k] for k in ("recall@1", "ndcg@3")},
-                                 "vs_retriever": rep["vs_retriever"]})
+        for drafts in ((False, True) if lookup_drafts else (False,)):
+            opts = DecodeOptions(decoder="diffusion", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
+                                 commit_rule=commit_rule, hold_eos=hold_eos, window=window,
+                                 reuse_settled=reuse_settled, lookup_drafts=drafts)
+            rep = evaluate(engine_diff, examples, opts, batch_size, progress=progress)
+            cmp = compare(ar_ranks, np.asarray(rep["ranks"]))
+            out["diffusion"].append({"tau": tau, "lookup_drafts": drafts, **pick(rep),
+                                     "vs_ar": {k: cmp[k] for k in ("recall@1", "ndcg@3")},
+                                     "vs_retriever": rep["vs_retriever"]})
     return out
 
 
@@ -572,14 +579,15 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
                                       accuracy_batch_size, commit_rule=commit_rule, hold_eos=hold_eos,
                                       lookup="ar_lookup" in exact_decoders, window=window,
                                       reuse_settled=reuse_settled, lookup_drafts=lookup_drafts)
-                by_tau = {p["tau"]: p for p in acc["diffusion"]}
+                by_tau = {(p["tau"], p["lookup_drafts"]): p for p in acc["diffusion"]}
                 for row in batches:
                     row["ar"].update({"recall@1": acc["ar"]["recall@1"], "valid_rate": acc["ar"]["valid_rate"]})
                     for p in row["exact_decoders"]:
                         if acc.get(p["decoder"]):  # hf_generate has no engine path: its tokens are checked instead
                             p.update({k: acc[p["decoder"]][k] for k in ("recall@1", "valid_rate")})
                     for p in row["points"]:
-                        p.update({"recall@1": by_tau[p["tau"]]["recall@1"], "valid_rate": by_tau[p["tau"]]["valid_rate"]})
+                        q = by_tau[(p["tau"], p["lookup_drafts"])]
+                        p.update({"recall@1": q["recall@1"], "valid_rate": q["valid_rate"]})
     finally:
         gc.unfreeze()
     return {
@@ -772,7 +780,8 @@ def format_speed(rep: dict) -> str:
                          f"{r1:>7s} {v:>7s}{same}")
         for p in row["points"]:
             r1, v = acc(p)
-            lines.append(f"         {'diffusion ' + format(p['tau'], '.2f'):>14s} {_fmt_stat(p['tokens_per_second']):>22s} "
+            name = f"diffusion {p['tau']:.2f}" + ("+lk" if p.get("lookup_drafts") else "")
+            lines.append(f"         {name:>14s} {_fmt_stat(p['tokens_per_second']):>22s} "
                          f"{p['forward_passes_per_token']:8.3f} {p['tokens_per_step']:8.2f} {p['speedup']:8.2f} "
                          f"{_fmt_stat(p['speedup_paired'], 2):>20s} {_fmt_stat(p.get('decode_speedup_paired'), 2):>20s} "
                          f"{r1:>7s} {v:>7s}")
@@ -781,8 +790,9 @@ def format_speed(rep: dict) -> str:
         for row in rep["length_curve"]:
             pts = ", ".join([f"{p['decoder']}: {_fmt_stat(p['speedup_paired'], 2)}"
                              for p in row.get("exact_decoders") or []]
-                            + [f"tau {p['tau']:.2f}: {_fmt_stat(p['speedup_paired'], 2)} ({p['tokens_per_step']:.2f} "
-                               f"tok/step)" for p in row["points"]])
+                            + [f"tau {p['tau']:.2f}{' lookup drafts' if p.get('lookup_drafts') else ''}: "
+                               f"{_fmt_stat(p['speedup_paired'], 2)} ({p['tokens_per_step']:.2f} tok/step)"
+                               for p in row["points"]])
             lines.append(f"  L={row['length']:4d} b={row['batch_size']}: AR {_fmt_stat(row['ar']['tokens_per_second'])} "
                          f"tok/s; {pts}")
     if rep.get("forward_cost"):

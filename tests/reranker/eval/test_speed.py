@@ -302,3 +302,18 @@ def test_hf_generate_is_read_back_through_eos(parts):
     assert got.tokens == ref and len(got.tokens[0]) <= 4
     assert got.n_forward == max(len(t) for t in ref)
     assert hf_generate(parts["model"], prompts, 12, NO_EOS, 0).tokens == free
+
+
+def test_lookup_drafts_are_timed_beside_the_plain_decoder(parts):
+    """With lookup_drafts each tau gets two points, without and with the drafts, timed in the same
+    interleaved repeats (the ratio between them is then side by side too)."""
+    rep = measure_speed(parts["model"], parts["dmodel"], parts["prompts"], batch_sizes=(1,), taus=(0.9, 0.5),
+                        max_new_tokens=8, repeats=1, warmup=0, lengths=(), forward_blocks=(), commit_rule="prefix",
+                        lookup_drafts=True)
+    points = rep["batches"][0]["points"]
+    assert [(p["tau"], p["lookup_drafts"]) for p in points] == [(0.9, False), (0.9, True), (0.5, False), (0.5, True)]
+    assert all(p["decoder"] == "diffusion" and p["speedup"] > 0 for p in points)
+    assert rep["settings"]["lookup_drafts"] is True
+    plain = measure_speed(parts["model"], parts["dmodel"], parts["prompts"], batch_sizes=(1,), taus=(0.9,),
+                          max_new_tokens=8, repeats=1, warmup=0, lengths=(), forward_blocks=())
+    assert [p["lookup_drafts"] for p in plain["batches"][0]["points"]] == [False]
