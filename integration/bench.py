@@ -318,7 +318,8 @@ def speed_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
         for p in row.get("points") or []:
             vs = ((acc.get((p.get("tau"), bool(p.get("lookup_drafts")))) or {}).get("vs_ar") or {}).get("recall@1")
             drafts = ", lookup drafts" if p.get("lookup_drafts") else ""
-            out.append(f"| {b} | diffusion τ={_fmt(p.get('tau'), 2)}{sched}{drafts} | {_stat(p.get('tokens_per_second'))} | "
+            out.append(f"| {b} | diffusion τ={_fmt(p.get('tau'), 2)}{sched}{drafts} | "
+                       f"{_stat(p.get('tokens_per_second'))} | "
                        f"{_fmt(p.get('forward_passes_per_token'), 3)} | {_fmt(p.get('tokens_per_step'), 2)} | "
                        f"{_fmt(p.get('mean_generated_tokens'), 1)} | {_fmt(p.get('speedup'), 2)} | "
                        f"{_stat(p.get('speedup_paired'), 2)} | {_stat(p.get('decode_speedup_paired'), 2)} | "

@@ -470,8 +470,8 @@ def format_summary(summary: dict) -> str:
                      f"{sp['batch1_speedup']:.2f}x its AR teacher (paired {paired.get('min', float('nan')):.2f}-"
                      f"{paired.get('max', float('nan')):.2f}x over {sp.get('repeats')} repeats, "
                      f"{sp.get('torch_threads')} threads)"
-                     + (f", {sp['diffusion_tokens_per_step']:.2f} tokens per step" if sp.get("diffusion_tokens_per_step")
-                        else ""))
+                     + (f", {sp['diffusion_tokens_per_step']:.2f} tokens per step"
+                        if sp.get("diffusion_tokens_per_step") else ""))
         plain = sp.get("without_lookup_drafts")
         if plain:
             lines.append(f"  with lookup drafts; without them, in the same repeats: {plain['batch1_speedup']:.2f}x "
