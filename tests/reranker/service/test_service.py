@@ -824,7 +824,15 @@ def test_prometheus_metrics_over_loopback(engine, server):
         for decoder in ("ar", "diffusion"):
             c.rerank(ITEMS[:4], ["i20"], decoder=decoder, max_new_tokens=8)
         assert code_of(lambda: c.rerank(["nope"]))[0] == grpc.StatusCode.INVALID_ARGUMENT
-        m = scrape(port)
+        # an aborted call's status can reach the client before its handler has counted it: scrape
+        # until all three calls are counted (a scraper sees the same, one scrape later)
+        deadline = time.monotonic() + 10
+        while True:
+            m = scrape(port)
+            counted = m.get(("dgr2_request_latency_seconds_count", (("method", "Rerank"),)))
+            if counted == 3 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
     assert m[("dgr2_requests_total", (("code", "OK"), ("method", "Rerank")))] == 2
     assert m[("dgr2_requests_total", (("code", "INVALID_ARGUMENT"), ("method", "Rerank")))] == 1
     assert m[("dgr2_request_latency_seconds_count", (("method", "Rerank"),))] == 3
