@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .forward import clock, forward, new_cache, pick_tokens, select_rows
-from .masks import block_causal_mask, left_pad, position_ids_for
+from .masks import block_causal_mask, left_pad, position_ids_for, to_additive
 
 
 @dataclass
@@ -40,26 +40,29 @@ def ar_decode(model, prompts, max_new_tokens, eos_token_id, pad_token_id=0, temp
     logits = forward(model, ids, position_ids_for(plen, P, P), mask, cache, logits_to_keep=1)[:, -1]
     prefill_seconds = clock(dev) - t0
     n_forward = 1
-    rows = torch.arange(b, device=dev)  # original index of each active row
+    rows = list(range(b))  # original index of each active row
     out_tok = [[] for _ in range(b)]
     out_lp = [[] for _ in range(b)]
+    pos = plen[:, None]  # position id of the token fed next
     for step in range(max_new_tokens):
         tok, lp, _ = pick_tokens(logits, temperature, top_p, generator)
-        for r, t, l in zip(rows.tolist(), tok.tolist(), lp.tolist()):  # one host sync per step
+        toks = tok.tolist()  # one host sync per step; which rows ended is read from it
+        for r, t, l in zip(rows, toks, lp.tolist()):
             out_tok[r].append(t)
             out_lp[r].append(l)
-        keep = tok != eos_token_id
-        if step == max_new_tokens - 1 or not keep.any():
+        alive = [i for i, t in enumerate(toks) if t != eos_token_id]
+        if step == max_new_tokens - 1 or not alive:
             break
-        if not keep.all():
-            idx = keep.nonzero().squeeze(1)
+        if len(alive) < len(toks):
+            idx = torch.tensor(alive, device=dev)
             select_rows(cache, idx)
-            rows, tok, plen, valid = rows[idx], tok[idx], plen[idx], valid[idx]
-        col = P + step  # column of the token being fed
+            rows, tok, pos, valid = [rows[i] for i in alive], tok[idx], pos[idx], valid[idx]
         valid = torch.cat([valid, torch.ones_like(valid[:, :1])], 1)
-        kv_blk = torch.arange(col + 1, device=dev)
-        mask = block_causal_mask(kv_blk[-1:], grp[:1], kv_blk, torch.zeros_like(kv_blk), valid)
-        pos = (col - (P - plen))[:, None]
+        # One query, the last column: block_causal_mask with one-token blocks lets it see every
+        # earlier key that is not padding, i.e. exactly `valid`; built directly, it is two ops
+        # instead of a dozen (at this model size a step is mostly per-op overhead).
+        mask = to_additive(valid[:, None, None, :])
         logits = forward(model, tok[:, None], pos, mask, cache)[:, -1]
+        pos = pos + 1
         n_forward += 1
     return ARResult(out_tok, [torch.tensor(x) for x in out_lp], n_forward, prefill_seconds)
