@@ -215,6 +215,7 @@ _HELP = {
 
 
 FLAGS = tuple(_HELP)  # the settings that have a command-line flag
+_SWITCHES = tuple(f.name for f in fields(DecodeOptions) if isinstance(f.default, bool))  # --x / --no-x
 
 
 def add_decode_flags(parser: argparse.ArgumentParser, names=FLAGS, help_overrides: Mapping | None = None) -> None:
@@ -229,7 +230,7 @@ def add_decode_flags(parser: argparse.ArgumentParser, names=FLAGS, help_override
             parser.add_argument(flag, choices=DECODERS, default=None, help=helps[name])
         elif name == "commit_rule":
             parser.add_argument(flag, choices=COMMIT_RULES, default=None, help=helps[name])
-        elif name in ("hold_eos", "reuse_settled", "lookup_drafts"):
+        elif name in _SWITCHES:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=helps[name])
         else:
             parser.add_argument(flag, type=types[name], default=None, help=helps[name])

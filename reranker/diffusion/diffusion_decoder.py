@@ -235,8 +235,6 @@ def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, 
             if lookup_drafts:
                 window_in, drafted, n_drafted = draft_inputs(window_in, done, [index[r] for r in row_ids],
                                                              [draft_len[r] for r in row_ids])
-                if not any(n_drafted):
-                    drafted = None
             window_ids = window_in[:, start:end]
             logits, cache_blk, cache_valid = block_step(model, cache, cache_blk, cache_valid, window_ids,
                                                         win_pos[:, start:end], pre + k, pending, keep=cols,
@@ -295,15 +293,16 @@ def draft_inputs(window_in, done, indexes, lengths):
     text (prompt and committed answer) fill the inputs after its leftmost masked position (column j
     reads the token at j - 1, so the draft of position done + i is the input of column done + 1 + i).
     The inputs after a draft keep the mask token, so the plain rule commits there on confidence.
-    Returns (inputs, drafted, n_drafted): drafted (b, B) marks the columns whose input is a draft."""
+    Returns (inputs, drafted, n_drafted): drafted (b, B) marks the columns whose input is a draft,
+    or is None when no row found one (the step is then the plain one)."""
     b, B = window_in.shape
+    found = [ix.draft(min(k, B - 1 - n)) for n, ix, k in zip(done, indexes, lengths)]
+    n_drafted = [len(d) for d in found]
+    if not any(n_drafted):
+        return window_in, None, n_drafted
     drafts = torch.full((b, B), -1, dtype=torch.long)
-    n_drafted = []
-    for i, (n, ix, k) in enumerate(zip(done, indexes, lengths)):
-        d = ix.draft(min(k, B - 1 - n))
-        if d:
-            drafts[i, n + 1:n + 1 + len(d)] = torch.tensor(d, dtype=torch.long)
-        n_drafted.append(len(d))
+    for i, (n, d) in enumerate(zip(done, found)):
+        drafts[i, n + 1:n + 1 + len(d)] = torch.tensor(d, dtype=torch.long)
     drafts = drafts.to(window_in.device)
     drafted = drafts >= 0
     return torch.where(drafted, drafts, window_in), drafted, n_drafted

@@ -112,9 +112,7 @@ def commit_confident(confidence, eligible, tau, force_all=False, rule=DEFAULT_CO
     if force_all:
         return eligible.clone()
     sure = eligible & (confidence >= tau)
-    if drafted is not None:
-        if rule != "prefix":
-            raise ValueError("drafted positions need the 'prefix' commit rule")
+    if drafted is not None:  # the decoder allows drafts under "prefix" only (diffusion_decode checks it)
         sure = torch.where(drafted, eligible & confirmed, sure)
     if hold is not None:
         sure = sure & ~hold

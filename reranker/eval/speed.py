@@ -171,6 +171,12 @@ def hf_generate(model, prompts, max_new_tokens, eos_token_id, pad_token_id):
     return GenerateResult(tokens, max(len(row) for row in out))
 
 
+def _draft_variants(lookup_drafts) -> tuple:
+    """The diffusion variants timed and scored at each tau: with lookup drafts asked for, the plain
+    decoder as well, so the two are compared side by side."""
+    return (False, True) if lookup_drafts else (False,)
+
+
 def _run(kind, model, prompts, batch_size, max_new_tokens, eos, pad, tau=None, block_size=None,
          mask_token_id=None, max_steps_per_block=None, commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False,
          schedule="lockstep", window=None, reuse_settled=False, lookup_drafts=False):
@@ -237,7 +243,7 @@ def _interleaved(ar_model, diff_model, prompts, batch_size, taus, max_new_tokens
     """AR, every exact decoder (on the AR model) and every tau, once per repeat, back to back;
     returns (ar summary, [exact decoder summaries], [tau summaries]). With lookup_drafts each tau is
     timed twice, without and with the drafts (each point says which)."""
-    variants = (False, True) if lookup_drafts else (False,)
+    variants = _draft_variants(lookup_drafts)
     configs = ([("ar", None, False)] + [(d, None, False) for d in exact_decoders]
                + [("diffusion", t, v) for t in taus for v in variants])
     runs = {c: [] for c in configs}
@@ -479,7 +485,7 @@ def accuracy_points(engine_ar, engine_diff, examples, taus, block_size=None, max
                        batch_size, progress=progress)
         out["ar_lookup"] = {**pick(rep), "same_target_rank_as_ar": float(np.mean(np.asarray(rep["ranks"]) == ar_ranks))}
     for tau in taus:
-        for drafts in ((False, True) if lookup_drafts else (False,)):
+        for drafts in _draft_variants(lookup_drafts):
             opts = DecodeOptions(decoder="diffusion", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
                                  commit_rule=commit_rule, hold_eos=hold_eos, window=window,
                                  reuse_settled=reuse_settled, lookup_drafts=drafts)
