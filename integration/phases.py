@@ -23,10 +23,21 @@ import os
 import time
 from pathlib import Path
 
+# the `stages` settings, in the order they run
+STAGE_KEYS = ("copy_warmup", "sft", "choose_teacher", "ar_rl", "cft", "choose_student", "opd", "rl")
 COPIES_DIR = "copies"
 COPY_BUILD_KEYS = ("full_prompt", "random_sids", "straight", "trace_style", "relabel_last_code", "limit", "seed")
 CHOOSE_KEYS = ("average_last", "metric", "limit")
 CHOOSE_METRICS = ("recall@1", "ndcg@3", "valid_rate")
+
+
+def check_copy_build(build, where: str) -> None:
+    """A copy draw's settings: a mapping of known keys; `where` names the setting in errors."""
+    if not isinstance(build, dict):
+        raise ValueError(f"{where}: expected a mapping of copy settings, got {build!r}")
+    bad = sorted(set(build) - set(COPY_BUILD_KEYS))
+    if bad:
+        raise ValueError(f"{where}: unknown key(s) {bad}; allowed: {list(COPY_BUILD_KEYS)}")
 
 
 def copy_file(build: dict, data_dir: Path, seed: int, where: str) -> str:
@@ -34,11 +45,7 @@ def copy_file(build: dict, data_dir: Path, seed: int, where: str) -> str:
     setting in errors. `seed` in `build` picks the draw (default: the run's seed)."""
     from reranker.data.copy_warmup import build_copy_warmup
 
-    if not isinstance(build, dict):
-        raise ValueError(f"{where}: expected a mapping of copy settings, got {build!r}")
-    bad = sorted(set(build) - set(COPY_BUILD_KEYS))
-    if bad:
-        raise ValueError(f"{where}: unknown key(s) {bad}; allowed: {list(COPY_BUILD_KEYS)}")
+    check_copy_build(build, where)
     build = {**build, "seed": int(build["seed"] if build.get("seed") is not None else seed)}  # always named
     parts = [f"{k}{'' if build[k] is True else build[k]}" for k in sorted(build)
              if build[k] is not None and build[k] is not False]
@@ -50,17 +57,67 @@ def copy_file(build: dict, data_dir: Path, seed: int, where: str) -> str:
     return name
 
 
-def _train_files(value, data_dir: Path, seed: int, where: str):
-    """`train_file` with every {copies: {...}} entry replaced by its built file's name."""
+def _copy_entries(value, where: str) -> list[tuple[int, dict | None]]:
+    """(index, copy settings or None for a file name) of each `train_file` entry, checked."""
     entries = value if isinstance(value, list) else [value]
     out = []
     for j, f in enumerate(entries):
         if isinstance(f, dict):
             if set(f) != {"copies"}:
                 raise ValueError(f"{where}.train_file[{j}]: a mapping entry must be {{copies: {{...}}}}, got {f!r}")
-            f = copy_file(f["copies"] or {}, data_dir, seed, f"{where}.train_file[{j}].copies")
-        out.append(f)
+            check_copy_build(f["copies"] or {}, f"{where}.train_file[{j}].copies")
+            out.append((j, f["copies"] or {}))
+        else:
+            out.append((j, None))
+    return out
+
+
+def _train_files(value, data_dir: Path, seed: int, where: str):
+    """`train_file` with every {copies: {...}} entry replaced by its built file's name."""
+    entries = value if isinstance(value, list) else [value]
+    out = [entries[j] if build is None else copy_file(build, data_dir, seed, f"{where}.train_file[{j}].copies")
+           for j, build in _copy_entries(value, where)]
     return out if isinstance(value, list) else out[0]
+
+
+def _phases(setting, label: str) -> list[tuple[str, dict]]:
+    """(where, phase) of a stage setting: one mapping, or a non-empty list of them."""
+    phases = setting if isinstance(setting, list) else [setting or {}]
+    if not phases:
+        raise ValueError(f"stages.{label}: an empty list of phases (leave the setting out to skip the stage)")
+    out = []
+    for i, phase in enumerate(phases):
+        where = f"stages.{label}" + (f"[{i}]" if isinstance(setting, list) else "")
+        if not isinstance(phase, dict):
+            raise ValueError(f"{where}: expected a mapping of settings, got {phase!r}")
+        out.append((where, phase))
+    return out
+
+
+def check_stages(stages) -> None:
+    """Every setting of a recipe's `stages` checked before anything runs: the stage names, each
+    phase's keys against its stage's defaults, copy draws and choices. A typo in `rl` would
+    otherwise surface hours into a run, when its chain starts."""
+    from reranker.stages.base import merge_config
+    from reranker.stages.registry import get_stage_class
+
+    if not isinstance(stages, dict):
+        raise ValueError(f"stages: expected a mapping of stage settings, got {stages!r}")
+    unknown = sorted(set(stages) - set(STAGE_KEYS))
+    if unknown:
+        raise ValueError(f"stages: unknown key(s) {unknown}; allowed, in the order they run: {list(STAGE_KEYS)}")
+    for key, setting in stages.items():
+        if key.startswith("choose_"):
+            check_choose(setting, key)
+            continue
+        defaults = get_stage_class("sft" if key == "copy_warmup" else key)().default_config()
+        for where, phase in _phases(setting, key):
+            phase = dict(phase)
+            if key == "copy_warmup":
+                check_copy_build(phase.pop("build", None) or {}, f"{where}.build")
+            if "train_file" in phase:
+                _copy_entries(phase["train_file"], where)
+            merge_config(defaults, phase, where)
 
 
 def phase_specs(stage: str, setting, data_dir: Path, seed: int, first_index: int, label: str | None = None,
@@ -69,14 +126,8 @@ def phase_specs(stage: str, setting, data_dir: Path, seed: int, first_index: int
     phases; `defaults` fill what a phase leaves out. Run dirs are numbered from `first_index` so
     chains built in several calls never share one."""
     label = label or stage
-    phases = setting if isinstance(setting, list) else [setting or {}]
-    if not phases:
-        raise ValueError(f"stages.{label}: an empty list of phases (leave the setting out to skip the stage)")
     specs = []
-    for i, phase in enumerate(phases):
-        where = f"stages.{label}" + (f"[{i}]" if isinstance(setting, list) else "")
-        if not isinstance(phase, dict):
-            raise ValueError(f"{where}: expected a mapping of settings, got {phase!r}")
+    for i, (where, phase) in enumerate(_phases(setting, label)):
         conf = {**(defaults or {}), **phase}
         if "train_file" in conf:
             conf["train_file"] = _train_files(conf["train_file"], data_dir, seed, where)
@@ -86,12 +137,8 @@ def phase_specs(stage: str, setting, data_dir: Path, seed: int, first_index: int
 
 def copy_warmup_specs(setting, data_dir: Path, seed: int, first_index: int = 1) -> list[dict]:
     """`copy_warmup`: sft phases over copy examples; each phase's `build` picks its draw."""
-    phases = setting if isinstance(setting, list) else [setting or {}]
     out = []
-    for i, phase in enumerate(phases):
-        where = "stages.copy_warmup" + (f"[{i}]" if isinstance(setting, list) else "")
-        if not isinstance(phase, dict):
-            raise ValueError(f"{where}: expected a mapping of settings, got {phase!r}")
+    for where, phase in _phases(setting, "copy_warmup"):
         phase = dict(phase)
         name = copy_file(phase.pop("build", None) or {}, data_dir, seed, f"{where}.build")
         out.append({"train_file": name, "valid_file": None, **phase})

@@ -18,12 +18,15 @@ def cmd_pipeline(args) -> int:
 
     from reranker.eval.speed import machine_info
 
+    from ..config import section
+    from ..phases import check_stages
     from ..pipeline import finish_invocation, format_summary, run_full_pipeline, start_invocation
 
     t0 = time.time()
     cfg = load_config(args.config)
     if getattr(args, "out", None):
         cfg["out"] = args.out
+    check_stages(section(cfg, "stages"))  # a bad setting leaves no record of a call in --out
     inv = start_invocation(Path(cfg["out"]), sys.argv[1:])
     summary = run_full_pipeline(cfg, data_override=getattr(args, "data", None), only_until=getattr(args, "until", None))
     invocations = finish_invocation(Path(cfg["out"]), inv, time.time() - t0)

@@ -199,6 +199,31 @@ def test_copy_draws_and_phases_build_their_own_files(tmp_path):
         check_choose({"metric": "loss"}, "choose_teacher")
 
 
+def test_every_stage_setting_is_checked_before_the_run_starts(config, tmp_path):
+    """A typo in a late stage fails the command at once, naming the setting, with nothing written;
+    the shipped recipes pass the same check."""
+    import copy
+
+    from integration.config import load_config
+    from integration.phases import check_stages
+
+    cases = [({"rl": {"stpes": 3}}, r"stages\.rl'.*unknown config key 'stpes'"),
+             ({"cft": [{}, {"train_file": ["train.jsonl", {"copies": {"sead": 1}}]}]},
+              r"stages\.cft\[1\]\.train_file\[1\]\.copies: unknown key\(s\) \['sead'\]"),
+             ({"opd": []}, r"stages\.opd: an empty list of phases"),
+             ({"choose_student": {"metric": "loss"}}, r"choose_student\.metric"),
+             ({"copy_warmup": {"build": {"straigth": 5}}}, r"stages\.copy_warmup\.build: unknown key"),
+             ({"distill": {}}, r"stages: unknown key\(s\) \['distill'\]")]
+    for bad, message in cases:
+        cfg = copy.deepcopy(config)
+        cfg.update(out=str(tmp_path / "out"), stages={**config["stages"], **bad})
+        with pytest.raises(ValueError, match=message):
+            run_full_pipeline(cfg)
+        assert not (tmp_path / "out").exists()
+    for path in sorted(Path(__file__).resolve().parents[2].glob("configs/*.yaml")):
+        check_stages(load_config(path)["stages"])
+
+
 def test_a_stage_reading_a_copy_draw_is_identified_by_its_content(tmp_path):
     from reranker.stages.pipeline import nested_file_fingerprints
 
