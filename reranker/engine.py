@@ -28,7 +28,7 @@ from reranker.diffusion.convert import load_diffusion_config
 from reranker.diffusion.diffusion_decoder import diffusion_decode
 from reranker.diffusion.lookup_decoder import ar_lookup_decode
 from reranker.text.answer import parse_ranking, permutation_or_fallback
-from reranker.text.prompt import render_prompt_messages, render_prompt_within_budget
+from reranker.text.prompt import DEFAULT_MAX_PROMPT_TOKENS, render_prompt_messages, render_prompt_within_budget
 from reranker.text.sid import SemanticIds
 from reranker.text.tokenizer import IM_END, THINK_CLOSE, THINK_OPEN
 
@@ -62,7 +62,8 @@ def split_reasoning(text: str) -> str:
 
 class RerankEngine:
     def __init__(self, model, tokenizer, sids: SemanticIds, item_meta, copurchase: CoPurchaseCounts | None,
-                 profile: str = "cpu", max_prompt_tokens: int = 512, evidence_history: int | None = None):
+                 profile: str = "cpu", max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
+                 evidence_history: int | None = None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.sids = sids
@@ -108,7 +109,8 @@ class RerankEngine:
         tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         model = load_model(model_dir, device=device)
         return cls(model, tok, SemanticIds.load(data_dir / "sids.json"), meta, copurchase,
-                   profile or info.get("profile", "cpu"), int(info.get("max_prompt_tokens") or 512),
+                   profile or info.get("profile", "cpu"),
+                   int(info.get("max_prompt_tokens") or DEFAULT_MAX_PROMPT_TOKENS),
                    info.get("evidence_history_items") or None)
 
     @staticmethod

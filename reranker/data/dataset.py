@@ -55,7 +55,8 @@ from reranker.data.retrace import RULE_LABEL_STYLES, retrace_row
 from reranker.data.teachers.base import Oracle, TeachExample, TeacherOutput, teacher_stats
 from reranker.data.teachers.rule import RuleTeacher, ScorerConfig, fit_cross_fitted
 from reranker.data.teachers.traces import TraceWriter, trace_rng
-from reranker.text.prompt import PROFILES, render_assistant, render_prompt_messages, render_prompt_within_budget, response_token_types
+from reranker.text.prompt import (DEFAULT_MAX_PROMPT_TOKENS, PROFILES, render_assistant, render_prompt_messages,
+                                  render_prompt_within_budget, response_token_types)
 from reranker.text.sid import SID_LETTERS, build_semantic_ids, content_embeddings
 from reranker.text.tokenizer import build_tokenizer, load_tokenizer
 
@@ -348,7 +349,7 @@ def _prompt_token_stats(tok, split_rows: Mapping[str, list[dict]]) -> dict:
 def build_rerank_data(retrieval_dir, items_path, out_dir, teacher: str = "rule", teacher_options: Mapping | None = None,
                       n_selection_users: int = 1000, max_train_examples: int | None = None, seed: int = 0,
                       sid_config: Mapping | None = None, tokenizer_vocab: int = 2000, profile: str = "cpu",
-                      max_prompt_tokens: int | None = 512, scorer_config: Mapping | None = None,
+                      max_prompt_tokens: int | None = DEFAULT_MAX_PROMPT_TOKENS, scorer_config: Mapping | None = None,
                       teacher_folds: int = 2, scorer_lists: str = "valid_positions", trace_style: str = "full",
                       tokenizer_from: str | Path | None = None) -> dict:
     """Build the re-ranking data set (see the module docstring); returns build_report.json's content

@@ -1,8 +1,8 @@
 """Prompt and assistant-message rendering for the re-ranker, and reasoning/answer token labels.
 
-One compact line per item keeps the "cpu" profile (8 history items, 10 candidates)
-under 512 tokens with the project tokenizer, so the small CPU model trains on short
-contexts; the "full" profile adds title words and more history for real checkpoints.
+One compact line per item keeps the "cpu" profile (8 history items, 10 candidates, and the
+retriever-order line) under ~600 tokens with the project tokenizer, so the small CPU model trains
+on short contexts; the "full" profile adds title words and more history for real checkpoints.
 """
 
 from __future__ import annotations
@@ -23,15 +23,25 @@ class PromptProfile:
     legend: bool  # explain the evidence fields once (costs ~45 tokens)
     max_name_chars: int  # cap on a category or brand name (rare brand names cost many tokens)
     names: bool = True  # category and brand names on each line (False: SIDs and evidence only)
+    # A last line listing the candidate SIDs in retriever order, written as the answer writes them.
+    # Why: most of an answer is "the rest in retriever order", and a small model copies a list
+    # laid out like its output far more easily than SIDs ~20 tokens apart on evidence lines
+    # (docs/EXPERIMENTS.md, "A retriever-order line"). Costs ~7 tokens per candidate.
+    order_line: bool = False
 
 
 PROFILES: dict[str, PromptProfile] = {
-    "cpu": PromptProfile(max_history=8, title_words=0, legend=False, max_name_chars=24),
+    "cpu": PromptProfile(max_history=8, title_words=0, legend=False, max_name_chars=24, order_line=True),
     "full": PromptProfile(max_history=20, title_words=8, legend=True, max_name_chars=40),
     # For a model trained in minutes (the synthetic demo): the co-purchase scan reads only the
     # evidence, so names and a long history are tokens the model pays for and does not use.
     "compact": PromptProfile(max_history=2, title_words=0, legend=False, max_name_chars=0, names=False),
 }
+
+# The prompt budget a data build and the engine use unless told otherwise: the cpu profile's longest
+# prompts (8 history items, 10 candidates and the retriever-order line) stay under it, and with 320
+# new tokens it fits the cpu model's 1,024 positions.
+DEFAULT_MAX_PROMPT_TOKENS = 640
 
 SYSTEM_PROMPT = (
     "Re-rank the candidates for this user. Think briefly, then output JSON "
@@ -88,7 +98,7 @@ def format_evidence(ev: Mapping, absent: frozenset[str] = frozenset()) -> str:
     """One candidate's evidence: "cobought 12/0/3; brand 2; category yes" (see evidence_legend).
 
     "cobought" is one word on purpose: a hyphen would make it three tokens on each of the
-    ten candidate lines, and the cpu profile has no tokens to spare under 512. For the same
+    ten candidate lines, and the cpu profile has no tokens to spare under its budget. For the same
     reason a field the catalog lacks (`absent`: "brand", "categories") is left out, not written
     as 0 on every line.
     """
@@ -186,6 +196,8 @@ def render_prompt_messages(
         if evidence is not None:
             line += "; " + format_evidence(evidence[rank - 1], absent)
         lines.append(line)
+    if prof.order_line:
+        lines.append("Retriever order: " + render_answer_list([sids.sid_string(c) for c in candidates]))
     lines.append(f"Rank all {len(candidates)} candidates.")
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "\n".join(lines)}]
 
@@ -215,6 +227,11 @@ def render_prompt_within_budget(
         if h <= 1:
             raise ValueError(f"prompt needs {n} tokens with one history item, over max_prompt_tokens={max_prompt_tokens}")
         h -= 1
+
+
+def render_answer_list(sids: Sequence[str]) -> str:
+    """A JSON list of SIDs exactly as the answer writes its ranking: ["<|sid_begin|>...", ...]."""
+    return json.dumps(list(sids))
 
 
 def render_answer(ranking_sids: Sequence[str]) -> str:

@@ -371,8 +371,9 @@ def test_a_catalog_without_any_item_text_builds_and_serves_the_same_prompts(retr
     lines = row["prompt_messages"][1]["content"].split("\n")
     shown = row["history"][-8:]
     assert lines[1:len(shown) + 1] == [sids.sid_string(h) for h in shown]
-    assert lines[-2].startswith(f"{len(row['candidates'])}.{sids.sid_string(row['candidates'][-1])}; cobought ")
-    assert "brand" not in lines[-2] and "category" not in lines[-2]
+    last = lines[-3]  # the last candidate line, before the retriever-order line and "Rank all"
+    assert last.startswith(f"{len(row['candidates'])}.{sids.sid_string(row['candidates'][-1])}; cobought ")
+    assert "brand" not in last and "category" not in last
     assert len(parse_candidate_evidence("\n".join(lines), len(row["candidates"]))) == len(row["candidates"])
     engine = RerankEngine.load(init_model(out, tmp_path / "m", size="tiny"), out)
     for r_ in load_split(out, "test")[:20]:

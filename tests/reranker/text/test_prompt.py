@@ -1,4 +1,4 @@
-"""Prompt rendering: structure, exact assistant format, the cpu profile's 512-token budget,
+"""Prompt rendering: structure, exact assistant format, the cpu profile's prompt budget,
 and reasoning/answer token labels."""
 
 import json
@@ -10,6 +10,7 @@ import pytest
 
 from reranker.data.evidence import CoPurchaseCounts, ItemMeta, candidates_evidence, item_meta_lookup
 from reranker.text.prompt import (
+    DEFAULT_MAX_PROMPT_TOKENS,
     prompt_token_count,
     render_assistant,
     render_prompt_messages,
@@ -89,8 +90,12 @@ def test_messages_structure_and_content(world):
         recent = "/".join(str(c) for c in ev[k - 1]["copurchase_recent"])
         assert line.endswith(f"; cobought {recent}; brand {ev[k - 1]['brand_match_count']}; "
                              f"category {'yes' if ev[k - 1]['leaf_category_match'] else 'no'}")
-    assert lines[20] == "Rank all 10 candidates."
-    assert len(lines) == 21
+    # the cpu profile lists the candidates once more, as the answer writes them
+    assert lines[20] == "Retriever order: " + json.dumps([sids.sid_string(c) for c in cands])
+    assert lines[21] == "Rank all 10 candidates."
+    assert len(lines) == 22
+    compact = render_prompt_messages(history, cands, sids, meta, ev, profile="compact")[1]["content"]
+    assert "Retriever order" not in compact and compact.endswith("\nRank all 10 candidates.")
 
 
 def test_max_history_and_profiles(world):
@@ -131,7 +136,7 @@ def test_compact_profile_keeps_sids_and_evidence_only(world):
 
 def test_fields_the_catalog_lacks_are_left_out_and_the_evidence_still_parses(world):
     """A catalog without brands (or categories) gets no "no brand" on every line, and no brand
-    count: they say nothing and cost tokens under the 512-token budget."""
+    count: they say nothing and cost tokens under the prompt budget."""
     from reranker.text.prompt import parse_candidate_evidence
 
     sids, items = world["sids"], world["items"]
@@ -179,18 +184,19 @@ def test_metadata_cannot_inject_control_tokens():
     assert "Evil Brand" in text and "A,B" in text
 
 
-def test_cpu_profile_prompts_fit_512_tokens(world):
+def test_cpu_profile_prompts_fit_the_default_budget(world):
     tok, sids, meta = world["tok"], world["sids"], world["meta"]
     lengths = []
     for user, history, cands, ev, msgs, _ in world["examples"][300:]:  # users unseen by the BPE
         assert len(cands) == 10
         lengths.append(prompt_token_count(tok, msgs))
     long_hist = [n for n, ex in zip(lengths, world["examples"][300:]) if len(ex[1]) >= 8]
-    assert long_hist and max(long_hist) <= 512, (np.median(long_hist), max(long_hist))
+    assert long_hist and max(long_hist) <= DEFAULT_MAX_PROMPT_TOKENS, (np.median(long_hist), max(long_hist))
     # Worst case: three-digit co-purchase counts and brand matches on every candidate.
     _, history, cands, ev, _, _ = world["examples"][-1]
     heavy = [dict(e, copurchase_recent=[999, 888, 777], brand_match_count=8, leaf_category_match=True) for e in ev]
-    assert prompt_token_count(tok, render_prompt_messages(history, cands, sids, meta, heavy)) <= 512
+    heavy_prompt = render_prompt_messages(history, cands, sids, meta, heavy)
+    assert prompt_token_count(tok, heavy_prompt) <= DEFAULT_MAX_PROMPT_TOKENS
 
 
 def test_budget_drops_oldest_history(world):
@@ -230,3 +236,19 @@ def test_response_token_types(world):
     assert set(response_token_types(tok, '{"ranking": []}')) == {"answer"}
     with pytest.raises(ValueError, match="never closes"):
         response_token_types(tok, "<think>\nhalf a thought")
+
+
+def test_order_line_added_to_a_prompt_without_it_is_the_rendered_one(world):
+    """reranker.data.order_line (the A/B's data side) writes the line exactly as the cpu profile does."""
+    from reranker.data.order_line import add_order_line
+
+    sids, meta = world["sids"], world["meta"]
+    _, history, cands, ev, _, _ = world["examples"][2]
+    msgs = render_prompt_messages(history, cands, sids, meta, ev)
+    lines = msgs[1]["content"].split("\n")
+    without = [m if m["role"] != "user" else {**m, "content": "\n".join(lines[:-2] + lines[-1:])} for m in msgs]
+    assert add_order_line({"prompt_messages": without})["prompt_messages"] == msgs
+    with pytest.raises(ValueError, match="already has a retriever-order line"):
+        add_order_line({"prompt_messages": msgs})
+    with pytest.raises(ValueError, match="no numbered candidate lines"):
+        add_order_line({"prompt_messages": [{"role": "user", "content": "History\nRank all 0 candidates."}]})
