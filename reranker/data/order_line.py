@@ -8,14 +8,12 @@ line"). Both arms are written the same way, so they differ only in that line:
 from __future__ import annotations
 
 import argparse
-import json
 import re
-import shutil
 from pathlib import Path
 
-from candidate_gen.files import atomic_write_text, iter_jsonl, write_jsonl
+from candidate_gen.files import iter_jsonl, write_jsonl
 
-from reranker.data.retrace import COPIED, _rebased
+from reranker.data.retrace import copy_support_files
 from reranker.text.prompt import render_answer_list
 from reranker.text.sid import SID_RE
 
@@ -62,14 +60,7 @@ def main(argv=None) -> None:
                 raise SystemExit(f"{args.data / src}:{n}: {e}") from None
         write_jsonl(args.out / dst, rows)
         print(f"{args.out / dst}: {len(rows)} records")
-    for name in COPIED:
-        s, d = args.data / name, args.out / name
-        if s.is_dir():
-            shutil.copytree(s, d, dirs_exist_ok=True)
-        elif s.is_file():
-            shutil.copy2(s, d)
-    info = json.loads((args.data / "build_info.json").read_text(encoding="utf-8"))
-    atomic_write_text(args.out / "build_info.json", json.dumps(_rebased(info, args.data, args.out), indent=2))
+    copy_support_files(args.data, args.out)
 
 
 if __name__ == "__main__":

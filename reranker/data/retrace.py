@@ -97,6 +97,20 @@ def _rebased(info: dict, src: Path, dst: Path) -> dict:
     return out
 
 
+def copy_support_files(src: Path, dst: Path) -> None:
+    """Everything of data dir ``src`` but its splits, into ``dst``: SIDs, tokenizer, scorer, and
+    build_info.json with its paths re-anchored at ``dst``."""
+    for name in COPIED:
+        s, d = src / name, dst / name
+        if s.is_dir():
+            shutil.copytree(s, d, dirs_exist_ok=True)
+        elif s.is_file():
+            shutil.copy2(s, d)
+    if (src / "build_info.json").is_file():
+        info = json.loads((src / "build_info.json").read_text(encoding="utf-8"))
+        atomic_write_text(dst / "build_info.json", json.dumps(_rebased(info, src, dst), indent=2))
+
+
 def retrace_data(src, dst, style: str = "brief", progress: bool = True) -> dict:
     """Write ``dst``: ``src``'s splits with traces in ``style``, plus its SIDs, tokenizer and scorer."""
     from tqdm.auto import tqdm
@@ -123,15 +137,7 @@ def retrace_data(src, dst, style: str = "brief", progress: bool = True) -> dict:
                 raise ValueError(f"{path}:{n}: {e}") from None
         write_jsonl(dst / f"{split}.jsonl", rows)
         counts[split] = len(rows)
-    for name in COPIED:
-        s, d = src / name, dst / name
-        if s.is_dir():
-            shutil.copytree(s, d, dirs_exist_ok=True)
-        elif s.is_file():
-            shutil.copy2(s, d)
-    if (src / "build_info.json").is_file():
-        info = json.loads((src / "build_info.json").read_text(encoding="utf-8"))
-        atomic_write_text(dst / "build_info.json", json.dumps(_rebased(info, src, dst), indent=2))
+    copy_support_files(src, dst)
     report = json.loads((src / "build_report.json").read_text(encoding="utf-8")) \
         if (src / "build_report.json").is_file() else {}
     report.update({"trace_style": style, "retraced_from": os.path.relpath(src.resolve(), dst.resolve())})
