@@ -40,7 +40,7 @@ def _step(name: str, i: int, n: int, msg: str) -> None:
 
 def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: str | None = None) -> dict:
     from candidate_gen.retrieve import run_retrieval
-    from reranker.data.dataset import build_rerank_data
+    from reranker.data.dataset import FORMAT as DATA_FORMAT, build_rerank_data
     from reranker.diffusion.convert import convert_to_diffusion
     from reranker.eval.baselines import BASELINES_VERSION, run_baselines
     from reranker.stages.base import read_done
@@ -75,7 +75,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     dcfg = dict(section(cfg, "rerank_data"))
     data_dir = out / "rerank_data"
     items_path = dcfg.pop("items_path", None) or _items_file(rs)
-    h_data = step_hash("data", h_ret, dcfg, file_sha256(items_path), seed)
+    h_data = step_hash("data", h_ret, dcfg, file_sha256(items_path), seed, DATA_FORMAT)
     if step_done(data_dir / ".pipeline_done.json", h_data):
         _step("data", 2, n_steps, "up to date, skipped")
     else:

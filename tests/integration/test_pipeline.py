@@ -108,6 +108,23 @@ def test_pipeline_runs_every_stage_then_skips(config, capsys):
     assert again["speed"] == sp
 
 
+def test_data_written_in_an_older_format_is_built_again(config, tmp_path, monkeypatch, capsys):
+    """A run directory from before a change to the rendered text (the data FORMAT) must not pass as
+    up to date: its prompts and traces are not what the code now writes and serves."""
+    import reranker.data.dataset as dataset
+
+    cfg = {**config, "out": str(tmp_path / "out")}
+    run_full_pipeline(cfg, only_until="data")
+    capsys.readouterr()
+    run_full_pipeline(cfg, only_until="data")
+    assert "data: up to date, skipped" in capsys.readouterr().out
+    monkeypatch.setattr(dataset, "FORMAT", dataset.FORMAT + "-next")
+    run_full_pipeline(cfg, only_until="data")
+    log = capsys.readouterr().out
+    assert "retrieval: up to date, skipped" in log and "data: up to date" not in log
+    assert "data: semantic IDs, tokenizer, teacher traces" in log
+
+
 def test_pipeline_runs_on_a_dataset_without_brand_timestamps_or_titles(config, tiny_catalog, tmp_path, caplog):
     """Many RecBole atomic datasets have no brand column, no real timestamps and no titles: the
     pipeline runs (retrieval, data, baselines, a training stage, evaluation), what is absent is

@@ -183,12 +183,16 @@ class TraceWriter:
 
 
 def brief_trace(first_sid: str, first: int, why: str, rest: str) -> str:
-    """The one-sentence "brief" trace: the decision alone, "#k first (why): <sid>, then the rest in
+    """The one-sentence "brief" trace: the decision alone, "#k.<sid> first (why), then the rest in
     retriever order." The candidate's number comes before its SID on purpose: the model makes the
     choice as one token, then copies line k's SID from the prompt. Written SID-first, a small model
     blends the codes of several likely candidates into one SID that is not a candidate (measured
-    on Beauty: nearly every invalid answer of the SID-first version failed in that first SID)."""
-    return f"#{first + 1} first ({why}): {first_sid}, then {rest}."
+    on Beauty: nearly every invalid answer of the SID-first version failed in that first SID).
+    "k." is how the prompt numbers line k, right before its SID, so the copy is a plain lookup of
+    the two tokens before it; with the reason in between ("#k first (why): <sid>") a model taught
+    300 steps of copies got that SID's first code right 0.56 of the time, against 1.00 this way
+    (docs/EXPERIMENTS.md, "A retriever-order line")."""
+    return f"#{first + 1}.{first_sid} first ({why}), then {rest}."
 
 
 SCAN_HEADS = {"last": "After the last item:", "recent": "After the last items, newest first:",

@@ -232,8 +232,7 @@ def test_retrace_keeps_rankings_and_tokenizer_and_matches_a_brief_build(retrieva
     for a, b in zip(src, new):
         assert (a["prompt_messages"], a["ranking"], a["candidate_sids"]) == (b["prompt_messages"], b["ranking"], b["candidate_sids"])
         first = b["ranking"][0]
-        assert b["reasoning"].startswith(f"#{first + 1} first (")
-        assert f"): {b['candidate_sids'][first]}, then " in b["reasoning"]
+        assert b["reasoning"].startswith(f"#{first + 1}.{b['candidate_sids'][first]} first (")
         assert len(b["reasoning"]) < len(a["reasoning"])
         assert list(parse_ranking(b["assistant"], b["candidate_sids"]).permutation) == b["ranking"]
     assert load_split(tmp_path / "brief", "test") == load_split(out, "test")

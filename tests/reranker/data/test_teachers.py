@@ -287,7 +287,7 @@ def test_brief_trace_is_the_decision_with_the_full_traces_reason(world):
             ranking = promote_then_input_order([k] + [i for i in range(10) if i != k], 1)
             text = brief.write(ex.history, ex.candidates, ex.evidence, ranking, ex.shown_history, random.Random(0))
             reason = why_of(full.write(ex.history, ex.candidates, ex.evidence, ranking, ex.shown_history, random.Random(0)))
-            assert text == f"#{k + 1} first ({reason}): {ex.candidate_sids[k]}, then the rest in retriever order."
+            assert text == f"#{k + 1}.{ex.candidate_sids[k]} first ({reason}), then the rest in retriever order."
     with pytest.raises(ValueError, match="trace style 'long' unknown"):
         TraceWriter(world["sids"], world["meta"], style="long")
 
@@ -303,7 +303,7 @@ def test_rule_teacher_without_rejection_distills_the_scorers_choice(world, score
     for o, e, s, (t, _) in zip(outs, exs, scores, world["labels_users"]):
         assert o.ranking[0] == int(np.argmax(s)) and list(o.ranking[1:]) == sorted(o.ranking[1:])
         assert o.accepted == (o.ranking[0] == t) and o.tries == 1 and not o.fallback
-        assert o.reasoning.startswith(f"#{o.ranking[0] + 1} first (")
+        assert o.reasoning.startswith(f"#{o.ranking[0] + 1}.{e.candidate_sids[o.ranking[0]]} first (")
     assert 0 < sum(o.accepted for o in outs) < len(outs)
     moved = [TeachExample(e.user, e.position, e.history, e.candidates, e.candidate_sids, e.scores, e.evidence,
                           e.shown_history, Oracle((t + 1) % 10), e.features)
@@ -321,22 +321,22 @@ def test_copurchase_scan_marks_each_new_best_and_picks_the_first_largest():
     sids = [f"<s{i}>" for i in range(4)]
     trace, ranking = scan_trace(sids, [0, 2, 5, 1])
     assert ranking == [2, 0, 1, 3]
-    assert trace.splitlines()[1] == ("#3 first (strongest co-purchase after the last item): <s2>, "
+    assert trace.splitlines()[1] == ("#3.<s2> first (strongest co-purchase after the last item), "
                                      "then the rest in retriever order.")
-    assert "(the retriever's top choice): <s0>" in scan_trace(sids, [0, 0, 0, 0])[0]
+    assert "#1.<s0> first (the retriever's top choice)" in scan_trace(sids, [0, 0, 0, 0])[0]
     with pytest.raises(ValueError, match="4 candidates but 3"):
         scan_trace(sids, [1, 2, 3])
     # tuples (counts after the last items, newest first) compare in that order
     line, first = copurchase_scan([(1, 0, 4), (1, 2, 0), (0, 9, 9), (1, 2, 0)], "H:")
     assert (line, first) == ("H: #1 1/0/4+ #2 1/2/0+ #3 0/9/9 #4 1/2/0.", 1)
-    assert "#2 first (co-bought after recent items)" in scan_trace(sids, [(0, 0), (0, 3), (0, 1), (0, 0)])[0]
+    assert "#2.<s1> first (co-bought after recent items)" in scan_trace(sids, [(0, 0), (0, 3), (0, 1), (0, 0)])[0]
     with pytest.raises(ValueError, match="at least one"):
         copurchase_scan([])
     # brand counts are written after the counts and break their ties only
     line, first = copurchase_scan([(0, 1), (0, 1), (0, 0), (1, 0)], "H:", brands=[0, 2, 5, 0])
     assert (line, first) == ("H: #1 0/1 b0+ #2 0/1 b2+ #3 0/0 b5 #4 1/0 b0+.", 3)
     trace, ranking = scan_trace(sids, [(0, 0)] * 4, "H:", brands=[0, 0, 3, 3])
-    assert ranking == [2, 0, 1, 3] and "#3 first (same brand as the history)" in trace
+    assert ranking == [2, 0, 1, 3] and "#3.<s2> first (same brand as the history)" in trace
     with pytest.raises(ValueError, match="4 co-purchase counts but 3 brand counts"):
         copurchase_scan([0, 0, 0, 0], brands=[1, 2, 3])
 
