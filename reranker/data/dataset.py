@@ -62,7 +62,7 @@ from reranker.text.tokenizer import build_tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 # The rendered text's version: a data dir, and everything trained on it, is rebuilt when it changes.
-# v2: the cpu prompt ends with a retriever-order line; the scan decision reads "#k.<sid> first (why)".
+# v2: cpu and compact prompts end with a retriever-order line; the scan decision reads "#k.<sid> first (why)".
 FORMAT = "diffusion-gr2/rerank-data/v2"
 _ROW_FIELDS = {"user": str, "position": int, "history": list, "candidates": list, "scores": list, "target": str}
 _SHOWN_RE = re.compile(r"History \(oldest first, (\d+) of \d+\)")

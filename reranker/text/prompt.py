@@ -35,7 +35,8 @@ PROFILES: dict[str, PromptProfile] = {
     "full": PromptProfile(max_history=20, title_words=8, legend=True, max_name_chars=40),
     # For a model trained in minutes (the synthetic demo): the co-purchase scan reads only the
     # evidence, so names and a long history are tokens the model pays for and does not use.
-    "compact": PromptProfile(max_history=2, title_words=0, legend=False, max_name_chars=0, names=False),
+    "compact": PromptProfile(max_history=2, title_words=0, legend=False, max_name_chars=0, names=False,
+                             order_line=True),
 }
 
 # The prompt budget a data build and the engine use unless told otherwise: the cpu profile's longest

@@ -94,8 +94,8 @@ def test_messages_structure_and_content(world):
     assert lines[20] == "Retriever order: " + json.dumps([sids.sid_string(c) for c in cands])
     assert lines[21] == "Rank all 10 candidates."
     assert len(lines) == 22
-    compact = render_prompt_messages(history, cands, sids, meta, ev, profile="compact")[1]["content"]
-    assert "Retriever order" not in compact and compact.endswith("\nRank all 10 candidates.")
+    full = render_prompt_messages(history, cands, sids, meta, ev, profile="full")[1]["content"]
+    assert "Retriever order" not in full and full.endswith("\nRank all 10 candidates.")
 
 
 def test_max_history_and_profiles(world):
