@@ -26,7 +26,7 @@ class PromptProfile:
     # A last line listing the candidate SIDs in retriever order, written as the answer writes them.
     # Why: most of an answer is "the rest in retriever order", and a small model copies a list
     # laid out like its output far more easily than SIDs ~20 tokens apart on evidence lines
-    # (docs/EXPERIMENTS.md, "A retriever-order line"). Costs ~7 tokens per candidate.
+    # (docs/EXPERIMENTS.md, "A retriever-order line"). Costs ~10 tokens per candidate.
     order_line: bool = False
 
 
