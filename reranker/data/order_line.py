@@ -14,7 +14,7 @@ from pathlib import Path
 from candidate_gen.files import iter_jsonl, write_jsonl
 
 from reranker.data.retrace import copy_support_files
-from reranker.text.prompt import render_answer_list
+from reranker.text.prompt import ORDER_LINE_PREFIX, render_order_line
 from reranker.text.sid import SID_RE
 
 _CANDIDATE_LINE = re.compile(r"^\d+\.(" + SID_RE.pattern + r")", re.M)
@@ -25,13 +25,13 @@ def add_order_line(record: dict) -> dict:
     listing the SIDs of its numbered candidate lines in order, as render_prompt_messages writes it."""
     messages = [dict(m) for m in record["prompt_messages"]]
     body = messages[-1]["content"].rstrip("\n")
-    if "\nRetriever order: " in body:
+    if "\n" + ORDER_LINE_PREFIX in body:
         raise ValueError("the prompt already has a retriever-order line")
     sids = [m.group(1) for m in _CANDIDATE_LINE.finditer(body)]
     if not sids or "\n" not in body:
         raise ValueError("the prompt has no numbered candidate lines")
     head, last = body.rsplit("\n", 1)
-    messages[-1]["content"] = f"{head}\nRetriever order: {render_answer_list(sids)}\n{last}"
+    messages[-1]["content"] = f"{head}\n{render_order_line(sids)}\n{last}"
     return {**record, "prompt_messages": messages}
 
 

@@ -192,13 +192,14 @@ def render_prompt_messages(
     if evidence is not None and prof.legend:
         header += " " + evidence_legend(int(evidence[0].get("window", 1)), absent)
     lines.append(header)
-    for rank, cand in enumerate(candidates, start=1):
-        line = f"{rank}." + _joined(sids.sid_string(cand), _item_text(meta.get(cand, empty), prof, absent))
+    cand_sids = [sids.sid_string(c) for c in candidates]
+    for rank, (cand, sid) in enumerate(zip(candidates, cand_sids), start=1):
+        line = f"{rank}." + _joined(sid, _item_text(meta.get(cand, empty), prof, absent))
         if evidence is not None:
             line += "; " + format_evidence(evidence[rank - 1], absent)
         lines.append(line)
     if prof.order_line:
-        lines.append("Retriever order: " + render_answer_list([sids.sid_string(c) for c in candidates]))
+        lines.append(render_order_line(cand_sids))
     lines.append(f"Rank all {len(candidates)} candidates.")
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "\n".join(lines)}]
 
@@ -230,9 +231,12 @@ def render_prompt_within_budget(
         h -= 1
 
 
-def render_answer_list(sids: Sequence[str]) -> str:
-    """A JSON list of SIDs exactly as the answer writes its ranking: ["<|sid_begin|>...", ...]."""
-    return json.dumps(list(sids))
+ORDER_LINE_PREFIX = "Retriever order: "
+
+
+def render_order_line(candidate_sids: Sequence[str]) -> str:
+    """The prompt's retriever-order line: the candidate SIDs in the list the answer writes."""
+    return ORDER_LINE_PREFIX + json.dumps(list(candidate_sids))
 
 
 def render_answer(ranking_sids: Sequence[str]) -> str:
