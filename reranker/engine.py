@@ -106,8 +106,8 @@ class RerankEngine:
             raise FileNotFoundError(f"{info_path}: missing; build the re-ranking data with `dgr2 data build`")
         info = json.loads(info_path.read_text())
         copurchase, meta = cls.load_evidence(data_dir, info)
+        model = load_model(model_dir, device=device)  # first: it names a missing or damaged model dir
         tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-        model = load_model(model_dir, device=device)
         return cls(model, tok, SemanticIds.load(data_dir / "sids.json"), meta, copurchase,
                    profile or info.get("profile", "cpu"),
                    int(info.get("max_prompt_tokens") or DEFAULT_MAX_PROMPT_TOKENS),

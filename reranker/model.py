@@ -59,12 +59,32 @@ class ModelDirError(ValueError):
     line (the CLI prints it as is) instead of a traceback through transformers."""
 
 
+def check_model_path(path) -> None:
+    """A model that loads without the network: a local directory, or a name already in the local
+    Hugging Face cache. Anything else raises ModelDirError naming it; transformers would raise a
+    repo-id validation error from deep inside its hub code."""
+    p = Path(path)
+    if p.exists():
+        if not p.is_dir():
+            raise ModelDirError(f"{path}: not a model directory (a file)")
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        hit = try_to_load_from_cache(str(path), "config.json")
+    except ValueError:  # not a repo id either (an absolute path, say)
+        hit = None
+    if not isinstance(hit, str):
+        raise ModelDirError(f"{path}: no such model directory (nor a model in the local Hugging Face cache)")
+
+
 def check_weight_files(path) -> None:
     """Open the header of every *.safetensors file of a model directory: a damaged or truncated file
     (a copy cut short, a disk error) raises ModelDirError naming it. transformers would raise from
     deep in its loader without naming the file."""
     from safetensors import SafetensorError, safe_open
 
+    check_model_path(path)
     path = Path(path)
     if not path.is_dir():  # a name in the local Hugging Face cache: transformers resolves it
         return

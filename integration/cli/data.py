@@ -56,7 +56,7 @@ def cmd_data_copy_warmup(args) -> int:
 
     out = build_copy_warmup(args.data, args.out_name, seed=args.seed, limit=args.limit, source=args.source,
                             full_prompt=args.full_prompt, random_sids=args.random_sids, out_path=args.out,
-                            straight=args.straight, trace_style=args.trace_style,
+                            straight=args.straight, lookup=args.lookup, trace_style=args.trace_style,
                             relabel_last_code=args.relabel_last_code)
     print(f"copy warm-up examples written to {out}")
     return 0
@@ -100,6 +100,9 @@ def add_data(sub) -> None:
     dc.add_argument("--out", help="write to this path instead (e.g. a held-out probe file outside the data dir)")
     dc.add_argument("--straight", type=int, metavar="N",
                     help="instead: N lists of random SIDs copied verbatim (the plainest copy task, to start from)")
+    dc.add_argument("--lookup", type=int, metavar="N",
+                    help="instead: N numbered lists of random SIDs looked up by number ('#6.<sid>', a scan "
+                    "decision's step)")
     dc.add_argument("--full-prompt", action="store_true",
                     help="keep each list's real prompt (history, evidence) instead of a short list of SIDs")
     dc.add_argument("--random-sids", action="store_true",

@@ -19,6 +19,10 @@ def cmd_sid_copy(args) -> int:
                  for lvl, kinds in r.get("by_prefix", {}).items() for kind, v in kinds.items()]
         if split:
             print("  by prefix (shared with another candidate or unique): " + ", ".join(split))
+        if r.get("reasoning_by_level"):
+            print("  SIDs in the reasoning (the decision's lookup): "
+                  + ", ".join(f"{k} {v['accuracy']:.3f}" for k, v in r["reasoning_by_level"].items())
+                  + f" (n={next(iter(r['reasoning_by_level'].values()))['tokens']})")
         if r.get("errors"):
             print("  wrong SID tokens: " + ", ".join(f"{k} {v}" for k, v in r["errors"].items()))
         if r.get("greedy"):

@@ -105,6 +105,22 @@ def full_prompt_copy_example(record: dict, k: int) -> dict:
     return {"prompt_messages": messages, "assistant": assistant}
 
 
+def _random_sid_list(rng: random.Random, n_sids: int) -> list[str]:
+    """`n_sids` distinct random SIDs that share prefixes as a real candidate list does: first codes
+    from a small per-list pool, some second and third codes tied to the code before, so copying
+    must look past the first code."""
+    pool = [rng.randrange(SID_CODEBOOK) for _ in range(rng.choice([1, 2, 3, 5, 10]))]
+    sids: dict[str, None] = {}  # insertion-ordered (a set's order changes with PYTHONHASHSEED)
+    while len(sids) < n_sids:
+        a = rng.choice(pool)
+        b = rng.randrange(SID_CODEBOOK) if rng.random() < 0.6 else (a * 7) % SID_CODEBOOK
+        c = rng.randrange(SID_CODEBOOK) if rng.random() < 0.7 else (b * 11) % SID_CODEBOOK
+        sids[format_sid((a, b, c, rng.randrange(4)))] = None
+    order = list(sids)
+    rng.shuffle(order)
+    return order
+
+
 def straight_copy_lists(n: int, seed: int = 0, n_sids: int = 10) -> list[dict]:
     """`n` records that copy a list of random SIDs verbatim: the prompt is the JSON list, the answer
     is the same JSON list (after a one-word <think> block). No catalogue to recall and no line to
@@ -116,19 +132,41 @@ def straight_copy_lists(n: int, seed: int = 0, n_sids: int = 10) -> list[dict]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        pool = [rng.randrange(SID_CODEBOOK) for _ in range(rng.choice([1, 2, 3, 5, 10]))]
-        sids: dict[str, None] = {}  # insertion-ordered (a set's order changes with PYTHONHASHSEED)
-        while len(sids) < n_sids:
-            a = rng.choice(pool)
-            b = rng.randrange(SID_CODEBOOK) if rng.random() < 0.6 else (a * 7) % SID_CODEBOOK
-            c = rng.randrange(SID_CODEBOOK) if rng.random() < 0.7 else (b * 11) % SID_CODEBOOK
-            sids[format_sid((a, b, c, rng.randrange(4)))] = None
-        order = list(sids)
-        rng.shuffle(order)
+        order = _random_sid_list(rng, n_sids)
         listing = json.dumps({"ranking": order})
         out.append({"prompt_messages": [{"role": "system", "content": "Copy the list."},
                                         {"role": "user", "content": listing}],
                     "assistant": "<think>\ncopy\n</think>\n" + listing})
+    return out
+
+
+def lookup_copy_lists(n: int, seed: int = 0, n_sids: int = 10) -> list[dict]:
+    """`n` records that look candidates up by number, the step a scan trace's decision takes
+    ("#6.<sid> first"): the prompt numbers random SIDs the way a re-ranking prompt does
+    ("6.<sid> cobought 1/0/2; brand 3", after a few unnumbered history SIDs) and asks for an order of
+    numbers; the answer writes "#k.<sid>" for each, one per line, then the ranking in that order.
+    Why: finding "#6." in the prompt and copying the SID after it is a match two tokens back (".",
+    then "<|sid_begin|>", sit between the number and the codes), which a straight copy never needs
+    and a scan trace asks once per list; here every example asks it n_sids times. Measured on
+    Beauty, the decision's SID is the one miscopied most, but 300 steps of these between the
+    straight copies and the SFT mix made the mix worse, not better (docs/EXPERIMENTS.md, "Where the
+    teacher miscopies"), so no recipe uses them; they stay for that experiment and for probes."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        sids = _random_sid_list(rng, n_sids)
+        history = _random_sid_list(rng, rng.randrange(6)) if rng.random() < 0.8 else []
+        asked = list(range(n_sids))
+        rng.shuffle(asked)
+        lines = [f"{i + 1}.{s} cobought {rng.randrange(10)}/{rng.randrange(10)}/{rng.randrange(10)}; "
+                 f"brand {rng.randrange(10)}" for i, s in enumerate(sids)]
+        user = ("History:\n" + "".join(f"{h}\n" for h in history) if history else "") + \
+            "Candidates.\n" + "\n".join(lines) + "\nOrder: " + " ".join(f"#{k + 1}" for k in asked)
+        think = "\n".join(f"#{k + 1}.{sids[k]}" for k in asked)
+        ranking = json.dumps({"ranking": [sids[k] for k in asked]})
+        out.append({"prompt_messages": [{"role": "system", "content": "Look the candidates up."},
+                                        {"role": "user", "content": user}],
+                    "assistant": f"<think>\n{think}\n</think>\n{ranking}"})
     return out
 
 
@@ -159,7 +197,7 @@ def _last_codebook(data_dir: Path) -> int:
 def build_copy_warmup(data_dir, out_name: str = "copy_warmup.jsonl", seed: int = 0, limit: int | None = None,
                       source: str = "train.jsonl", full_prompt: bool = False, random_sids: bool = False,
                       out_path=None, straight: int | None = None, trace_style: str | None = None,
-                      relabel_last_code: bool = False) -> Path:
+                      relabel_last_code: bool = False, lookup: int | None = None) -> Path:
     """Write <data_dir>/<out_name>: one warm-up example per list of <data_dir>/<source>
     (train.jsonl for training; valid.jsonl gives held-out examples for the SID-copy diagnostic).
     full_prompt: keep the list's real prompt (retriever order, history and evidence) instead of a
@@ -167,17 +205,22 @@ def build_copy_warmup(data_dir, out_name: str = "copy_warmup.jsonl", seed: int =
     examples test and teach copying, not the catalogue. out_path: write there instead (held-out probe
     files belong outside the data dir, whose fingerprint covers every top-level JSONL file).
     straight: write that many `straight_copy_lists` records instead (no source lists are read).
+    lookup: write that many `lookup_copy_lists` records instead (no source lists are read).
     trace_style: a rule-scan style ("scan", "scan_recent", "scan_brand"): keep each real prompt and
     answer it with that style's trace and pick (`scan_copy_example`) instead of "put #k first".
     relabel_last_code: with random_sids, draw the dedup code too, uniformly over the data's own
     last codebook (sids.json), so rare dedup tokens are copied as often as common ones."""
     data_dir = Path(data_dir)
     out = Path(out_path) if out_path is not None else data_dir / out_name
-    if straight is not None:
-        if straight < 1:
-            raise ValueError(f"straight must be >= 1 lists, got {straight}")
+    if straight is not None and lookup is not None:
+        raise ValueError("straight and lookup are two kinds of copy draw: give one (a phase per draw)")
+    for key, count, make in (("straight", straight, straight_copy_lists), ("lookup", lookup, lookup_copy_lists)):
+        if count is None:
+            continue
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"{key} must be a whole number of lists >= 1, got {count!r}")
         out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in straight_copy_lists(straight, seed)))
+        atomic_write_text(out, "".join(json.dumps(r) + "\n" for r in make(count, seed)))
         return out
     if trace_style is not None:
         from .retrace import RULE_LABEL_STYLES

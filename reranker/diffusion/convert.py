@@ -18,8 +18,8 @@ def convert_to_diffusion(ar_dir, out_dir, block_size=32, mask_token="<|mask|>", 
     """Load the AR model + tokenizer from ar_dir, add `mask_token` if absent (growing the embedding
     matrix only if needed), record the diffusion fields and the decode settings (`decode`: tau,
     commit_rule, ...; None values left out) and save to out_dir (safetensors)."""
+    model = load_model(ar_dir)  # first: it names a missing or damaged model dir
     tok = AutoTokenizer.from_pretrained(str(ar_dir), local_files_only=True)
-    model = load_model(ar_dir)
     if mask_token not in tok.get_vocab():
         if tok.mask_token is None:
             tok.add_special_tokens({"mask_token": mask_token})

@@ -54,6 +54,9 @@ def sid_copy_accuracy(model, tokenizer, records: list[dict], batch_size: int = 8
     * "by_prefix": the same per level, split by whether the SID's earlier levels (the prefix already
       written) are shared with another SID of the answer ("shared": copying needs to know which
       candidate it is on) or not ("unique": a plain content match finds the source);
+    * "reasoning_by_level": the same per level for SID codes the reasoning writes before the answer
+      (a scan trace's decision, "#6.<sid> first": a lookup by candidate number, where the answer's
+      later SIDs are copies of what came before);
     * "errors": each wrong SID-token prediction, by where the predicted token comes from:
       "other_candidate" (a code of another SID of the answer, i.e. the lookup hit the wrong
       candidate), "context" (elsewhere before the answer: prompt or reasoning, e.g. a history item) or "invented".
@@ -66,12 +69,19 @@ def sid_copy_accuracy(model, tokenizer, records: list[dict], batch_size: int = 8
     counts: dict[str, int] = {}
     split: dict[str, list[int]] = {}  # "b/shared" -> [hits, count]
     errors = {"other_candidate": 0, "context": 0, "invented": 0}
+    thought: dict[str, list[int]] = {}  # SID codes written in the reasoning (a scan's decision): level -> [hits, count]
     for s in range(0, len(encoded), batch_size):
         b = collate(encoded[s:s + batch_size], pad)
         logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
                        position_ids=b["position_ids"], use_cache=False).logits
         pred, target = logits[:, :-1].argmax(-1), b["labels"][:, 1:]
         keep = b["answer_mask"][:, 1:] & (target >= 0)
+        for p, t in zip(pred[~b["answer_mask"][:, 1:] & (target >= 0)].tolist(),
+                        target[~b["answer_mask"][:, 1:] & (target >= 0)].tolist()):
+            if t in levels:
+                h_c = thought.setdefault(levels[t], [0, 0])
+                h_c[0] += int(p == t)
+                h_c[1] += 1
         for r in range(pred.shape[0]):
             row_keep = keep[r]
             answer_ids = target[r][row_keep].tolist()
@@ -102,7 +112,8 @@ def sid_copy_accuracy(model, tokenizer, records: list[dict], batch_size: int = 8
         lvl, kind = key.split("/")
         by_prefix.setdefault(lvl, {})[kind] = {"accuracy": split[key][0] / split[key][1], "tokens": split[key][1]}
     return {"by_level": {k: hits[k] / counts[k] for k in sorted(counts)}, "tokens": dict(sorted(counts.items())),
-            "by_prefix": by_prefix, "errors": errors, "examples": len(encoded)}
+            "by_prefix": by_prefix, "errors": errors, "examples": len(encoded),
+            "reasoning_by_level": {k: {"accuracy": h / n, "tokens": n} for k, (h, n) in sorted(thought.items())}}
 
 
 def reference_ranking(record: dict) -> list[str]:
@@ -151,8 +162,8 @@ def run_sid_copy(model_dir, data_dir, file: str = "valid.jsonl", limit: int | No
     from reranker.model import load_model
 
     path = Path(data_dir) / file
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = load_model(model_dir)
+    model = load_model(model_dir)  # first: it names a missing or damaged model dir
+    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     records = read_jsonl(path, limit)
     res = sid_copy_accuracy(model, tok, records, batch_size)
     if greedy:

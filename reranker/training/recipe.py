@@ -47,8 +47,8 @@ def load_model_and_tokenizer(path, dtype: str, device):
 
     from reranker.model import load_model
 
-    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    return load_model(path, dtype=getattr(torch, dtype), device=device), tok
+    model = load_model(path, dtype=getattr(torch, dtype), device=device)  # names a missing model dir
+    return model, AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 def load_diffusion_model(ctx, block_size, dtype: str, note):

@@ -75,6 +75,26 @@ def test_a_directory_without_config_is_named(tmp_path):
         load_model(tmp_path / "m")
 
 
+@pytest.mark.parametrize("command", ["convert", "sid-copy"])
+def test_a_missing_model_directory_is_one_line_naming_it(tmp_path, command, capsys):
+    """It used to be a traceback from the Hugging Face hub client about repo ids."""
+    from integration.cli import main
+    from reranker.model import ModelDirError
+
+    missing = tmp_path / "no" / "such-model"
+    for path in (missing, "models/no-such-model"):
+        with pytest.raises(ModelDirError, match=r"no such model directory"):
+            load_model(path)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ModelDirError, match=r"file: not a model directory \(a file\)"):
+        load_model(tmp_path / "file")
+    argv = {"convert": ["convert", "--from", str(missing), "--to", str(tmp_path / "d")],
+            "sid-copy": ["sid-copy", "--model", str(missing), "--data", str(tmp_path)]}[command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"dgr2 {command}: error: {missing}: no such model directory (nor a model in the local Hugging Face cache)\n"
+
+
 def test_resize_for_tokenizer():
     tok = tiny_tokenizer()
     model = build_model(len(tok), "tiny")

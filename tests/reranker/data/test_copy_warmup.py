@@ -136,6 +136,33 @@ def test_straight_copy_lists_copy_verbatim_share_prefixes_and_do_not_depend_on_t
         build_copy_warmup(tmp_path, straight=0)
 
 
+def test_lookup_copy_lists_answer_each_asked_number_with_the_sid_listed_under_it(tmp_path):
+    import re
+
+    from reranker.data.copy_warmup import lookup_copy_lists
+
+    recs = lookup_copy_lists(50, seed=3)
+    assert recs == lookup_copy_lists(50, seed=3) and recs != lookup_copy_lists(50, seed=4)
+    for r in recs:
+        user = r["prompt_messages"][1]["content"]
+        listed = dict(re.findall(r"^(\d+)\.(<\|sid_begin\|>.*?<\|sid_end\|>) cobought", user, re.M))
+        asked = re.search(r"^Order: (.*)$", user, re.M).group(1).split()
+        assert sorted(asked, key=lambda k: int(k[1:])) == [f"#{i}" for i in range(1, 11)]
+        think, answer = r["assistant"].split("</think>\n", 1)
+        lines = think.removeprefix("<think>\n").strip().split("\n")
+        # every decision line is "#k.<the SID listed as k.>", in the asked order
+        assert lines == [f"{k}.{listed[k[1:]]}" for k in asked]
+        assert json.loads(answer)["ranking"] == [listed[k[1:]] for k in asked]
+        assert list(parse_ranking(r["assistant"], list(listed.values())).permutation) == \
+            [int(k[1:]) - 1 for k in asked]
+    out = build_copy_warmup(tmp_path, lookup=4, seed=2, out_path=tmp_path / "l.jsonl")
+    assert [json.loads(x) for x in out.read_text().splitlines()] == lookup_copy_lists(4, seed=2)
+    with pytest.raises(ValueError, match="lookup"):
+        build_copy_warmup(tmp_path, lookup=0)
+    with pytest.raises(ValueError, match="give one"):
+        build_copy_warmup(tmp_path, lookup=2, straight=2)
+
+
 def test_scan_traced_copies_with_relabelled_dedup_codes(tmp_path):
     """--trace-style answers the real prompt with the rule scan (here candidate #4 has the most
     co-purchases); --relabel-last-code draws the dedup code too, within the data's last codebook."""

@@ -36,10 +36,14 @@ def test_sid_copy_accuracy_by_level():
     res = sid_copy_accuracy(perfect, tok, recs)
     assert res["examples"] == 4 and all(v == 1.0 for v in res["by_level"].values()), res
     assert res["tokens"]["a"] == 40
+    # the one SID each reasoning writes ("<sid> (#k) first") is scored apart from the answer's ten
+    assert {k: v["tokens"] for k, v in res["reasoning_by_level"].items()} == {"a": 4, "b": 4, "c": 4, "d": 4}
+    assert all(v["accuracy"] == 1.0 for v in res["reasoning_by_level"].values())
     bad_b = Oracle("b", levels)
     bad_b.vocab = len(tok)
     res = sid_copy_accuracy(bad_b, tok, recs)
     assert res["by_level"]["b"] == 0.0 and res["by_level"]["a"] == 1.0
+    assert res["reasoning_by_level"]["b"]["accuracy"] == 0.0 and res["reasoning_by_level"]["a"]["accuracy"] == 1.0
 
 
 class SwapB(Oracle):
