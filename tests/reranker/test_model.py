@@ -92,7 +92,8 @@ def test_a_missing_model_directory_is_one_line_naming_it(tmp_path, command, caps
             "sid-copy": ["sid-copy", "--model", str(missing), "--data", str(tmp_path)]}[command]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err == f"dgr2 {command}: error: {missing}: no such model directory (nor a model in the local Hugging Face cache)\n"
+    assert err == (f"dgr2 {command}: error: {missing}: no such model directory "
+                   "(nor a model in the local Hugging Face cache)\n")
 
 
 def test_resize_for_tokenizer():
