@@ -75,9 +75,10 @@ def sid_copy_accuracy(model, tokenizer, records: list[dict], batch_size: int = 8
         logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
                        position_ids=b["position_ids"], use_cache=False).logits
         pred, target = logits[:, :-1].argmax(-1), b["labels"][:, 1:]
-        keep = b["answer_mask"][:, 1:] & (target >= 0)
-        for p, t in zip(pred[~b["answer_mask"][:, 1:] & (target >= 0)].tolist(),
-                        target[~b["answer_mask"][:, 1:] & (target >= 0)].tolist()):
+        supervised, answer = target >= 0, b["answer_mask"][:, 1:]
+        keep = answer & supervised
+        in_reasoning = ~answer & supervised
+        for p, t in zip(pred[in_reasoning].tolist(), target[in_reasoning].tolist()):
             if t in levels:
                 h_c = thought.setdefault(levels[t], [0, 0])
                 h_c[0] += int(p == t)
