@@ -30,7 +30,7 @@ from reranker.diffusion.lookup_decoder import ar_lookup_decode
 from reranker.text.answer import parse_ranking, permutation_or_fallback
 from reranker.text.prompt import DEFAULT_MAX_PROMPT_TOKENS, render_prompt_messages, render_prompt_within_budget
 from reranker.text.sid import SemanticIds
-from reranker.text.tokenizer import IM_END, THINK_CLOSE, THINK_OPEN
+from reranker.text.tokenizer import IM_END, load_tokenizer, THINK_CLOSE, THINK_OPEN
 
 
 @dataclass
@@ -96,7 +96,6 @@ class RerankEngine:
     @classmethod
     def load(cls, model_dir, data_dir=None, device: str = "cpu", profile: str | None = None) -> "RerankEngine":
         """data_dir None: the release bundle model_dir lies in (data_dir_for)."""
-        from transformers import AutoTokenizer
 
         from .model import load_model
 
@@ -107,7 +106,7 @@ class RerankEngine:
         info = json.loads(info_path.read_text())
         copurchase, meta = cls.load_evidence(data_dir, info)
         model = load_model(model_dir, device=device)  # first: it names a missing or damaged model dir
-        tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        tok = load_tokenizer(model_dir)
         return cls(model, tok, SemanticIds.load(data_dir / "sids.json"), meta, copurchase,
                    profile or info.get("profile", "cpu"),
                    int(info.get("max_prompt_tokens") or DEFAULT_MAX_PROMPT_TOKENS),

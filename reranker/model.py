@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from candidate_gen.files import write_dir_atomically
+from reranker.text.tokenizer import load_tokenizer
 
 # "cpu": ~4-6M parameters (with a few-thousand-token SID vocabulary), the default for CPU profiles.
 # "tiny": for tests only.
@@ -139,7 +140,6 @@ def average_models(paths, out):
     checkpoints of one run or of sibling runs from one parent); config, generation config and
     tokenizer are the first one's. The models must share architecture and every tensor's shape,
     and converted (diffusion) models their block size and mask token, or nothing is written."""
-    from transformers import AutoTokenizer
 
     paths = [Path(p) for p in paths]
     if len(paths) < 2:
@@ -162,4 +162,4 @@ def average_models(paths, out):
                 raise ValueError(f"{p}: {k} has shape {tuple(v.shape)}, {paths[0]} {tuple(acc[k].shape)}")
             acc[k] += v.detach().float()
     first.load_state_dict({k: (v / len(paths)).to(own[k].dtype) for k, v in acc.items()})
-    return save_model(first, AutoTokenizer.from_pretrained(str(paths[0])), out)
+    return save_model(first, load_tokenizer(paths[0]), out)

@@ -8,10 +8,10 @@ save_pretrained / from_pretrained round-trip), so any HF checkpoint directory wo
 model also records the decode settings it is meant for (config.json "decode_settings", see
 reranker.decoding): decoder "diffusion" plus any given, kept by every later stage's save.
 """
-from transformers import AutoTokenizer
 
 from reranker.decoding import record
 from reranker.model import load_model, resize_for_tokenizer, save_model
+from reranker.text.tokenizer import load_tokenizer
 
 
 def convert_to_diffusion(ar_dir, out_dir, block_size=32, mask_token="<|mask|>", decode=None):
@@ -19,7 +19,7 @@ def convert_to_diffusion(ar_dir, out_dir, block_size=32, mask_token="<|mask|>", 
     matrix only if needed), record the diffusion fields and the decode settings (`decode`: tau,
     commit_rule, ...; None values left out) and save to out_dir (safetensors)."""
     model = load_model(ar_dir)  # first: it names a missing or damaged model dir
-    tok = AutoTokenizer.from_pretrained(str(ar_dir), local_files_only=True)
+    tok = load_tokenizer(ar_dir)
     if mask_token not in tok.get_vocab():
         if tok.mask_token is None:
             tok.add_special_tokens({"mask_token": mask_token})

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from reranker.text.sid import SID_RE
-from reranker.text.tokenizer import IM_END, THINK_CLOSE
+from reranker.text.tokenizer import IM_END, load_tokenizer, THINK_CLOSE
 from reranker.training.batches import collate, encode_examples, read_jsonl
 
 _LEVEL = re.compile(r"^<([a-z])_\d+>$")
@@ -158,13 +158,12 @@ def greedy_copy_validity(model, tokenizer, records: list[dict], max_new_tokens: 
 
 def run_sid_copy(model_dir, data_dir, file: str = "valid.jsonl", limit: int | None = 64, batch_size: int = 8,
                  greedy: bool = False) -> dict:
-    from transformers import AutoTokenizer
 
     from reranker.model import load_model
 
     path = Path(data_dir) / file
     model = load_model(model_dir)  # first: it names a missing or damaged model dir
-    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    tok = load_tokenizer(model_dir)
     records = read_jsonl(path, limit)
     res = sid_copy_accuracy(model, tok, records, batch_size)
     if greedy:

@@ -85,7 +85,8 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int = 2000, min_frequency:
 
 
 def load_tokenizer(path):
-    """Load a tokenizer saved with ``save_pretrained`` (ours or a real checkpoint's)."""
+    """Load a tokenizer saved with ``save_pretrained`` (ours or a real checkpoint's); local files only,
+    so a missing directory is never looked up on the Hugging Face hub."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

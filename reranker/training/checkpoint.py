@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from reranker.model import save_model
+from reranker.text.tokenizer import load_tokenizer
 
 FORMAT = 1
 _NAME = re.compile(r"^step(\d{8})-([0-9a-f]+)\.pt$")
@@ -154,7 +155,6 @@ def export_checkpoint(checkpoint, like, out) -> Path:
     config and tokenizer of `like` (the stage's input model dir), the weights of `checkpoint`.
     A stage writes its output dir only when it finishes; this probes one that is still running or
     was stopped (`dgr2 model export`)."""
-    from transformers import AutoTokenizer
 
     from reranker.model import load_model
 
@@ -175,7 +175,7 @@ def export_checkpoint(checkpoint, like, out) -> Path:
         raise ValueError(f"{path} does not fit the model of {like}: missing {missing[:3]}, "
                          f"unexpected {unexpected[:3]}, other shapes {resized[:3]}")
     model.load_state_dict(theirs)
-    return save_model(model, AutoTokenizer.from_pretrained(str(like)), out)
+    return save_model(model, load_tokenizer(like), out)
 
 
 def restore(ckpt: dict, model, optimizer, scheduler, rank: int, world_size: int) -> TrainState:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from reranker.model import build_model, load_model, resize_for_tokenizer, save_model
-from reranker.text.tokenizer import CHAT_TEMPLATE, CONTENT_TOKENS, CONTROL_TOKENS, IM_END, PAD_TOKEN
+from reranker.text.tokenizer import CHAT_TEMPLATE, CONTENT_TOKENS, CONTROL_TOKENS, IM_END, load_tokenizer, PAD_TOKEN
 
 
 def extend_tokenizer(tok):
@@ -34,12 +34,10 @@ def extend_tokenizer(tok):
 
 
 def init_model(data_dir, out_dir, size: str | dict = "cpu", base: str | None = None, seed: int = 0) -> Path:
-    from transformers import AutoTokenizer
-
     if base:
         if not Path(base).is_dir():
             raise FileNotFoundError(f"--base {base}: not a local model directory (nothing is downloaded)")
-        tok = extend_tokenizer(AutoTokenizer.from_pretrained(str(base), local_files_only=True))
+        tok = extend_tokenizer(load_tokenizer(base))
         model = resize_for_tokenizer(load_model(base), tok)
         model.config.eos_token_id = tok.convert_tokens_to_ids(IM_END)
         model.config.pad_token_id = tok.pad_token_id
@@ -47,7 +45,7 @@ def init_model(data_dir, out_dir, size: str | dict = "cpu", base: str | None = N
         tok_dir = Path(data_dir) / "tokenizer"
         if not tok_dir.is_dir():
             raise FileNotFoundError(f"{tok_dir}: missing; build the re-ranking data with `dgr2 data build`")
-        tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+        tok = load_tokenizer(tok_dir)
         model = build_model(len(tok), size, pad_token_id=tok.pad_token_id,
                             eos_token_id=tok.convert_tokens_to_ids(IM_END), seed=seed)
     return save_model(model, tok, out_dir)

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from reranker.text.tokenizer import load_tokenizer
+
 from . import distributed as D
 from .checkpoint import Checkpointer, TrainState, capture_rng, restore, save_hf_dir
 from .logging import RunLogger
@@ -43,12 +45,10 @@ def setup(ctx, check_config) -> tuple[dict, torch.device]:
 
 def load_model_and_tokenizer(path, dtype: str, device):
     """(model, tokenizer) of a local HF directory, the model in `dtype` on `device`."""
-    from transformers import AutoTokenizer
-
     from reranker.model import load_model
 
     model = load_model(path, dtype=getattr(torch, dtype), device=device)  # names a missing model dir
-    return model, AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return model, load_tokenizer(path)
 
 
 def load_diffusion_model(ctx, block_size, dtype: str, note):

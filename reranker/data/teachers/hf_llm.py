@@ -20,7 +20,7 @@ from reranker.data.teachers.base import Teacher, TeachExample, TeacherOutput
 from reranker.data.teachers.traces import TraceWriter, trace_rng
 from reranker.text.answer import FAILURE_KINDS, parse_ranking
 from reranker.text.prompt import render_prompt_messages
-from reranker.text.tokenizer import THINK_CLOSE, THINK_OPEN
+from reranker.text.tokenizer import load_tokenizer, THINK_CLOSE, THINK_OPEN
 
 TEACHER_SYSTEM_PROMPT = (
     "You re-rank a recommender's candidates for one user. Items are written as semantic IDs "
@@ -49,13 +49,11 @@ class HfLlmTeacher(Teacher):
                  tries_per_batch: int | None = None, temperature: float = 0.8, top_p: float = 0.95,
                  max_new_tokens: int = 384, profile: str = "full", seed: int = 0, device: str | None = None,
                  dtype=None):
-        from transformers import AutoTokenizer
-
         from reranker.model import load_model
 
         if max_tries < 1:
             raise ValueError(f"max_tries must be >= 1, got {max_tries}")
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        self.tokenizer = load_tokenizer(model_dir)
         self.model = load_model(model_dir, dtype=dtype).eval()
         if device is not None:
             self.model.to(device)
