@@ -26,7 +26,8 @@ from pathlib import Path
 # the `stages` settings, in the order they run
 STAGE_KEYS = ("copy_warmup", "sft", "choose_teacher", "ar_rl", "cft", "choose_student", "opd", "rl")
 COPIES_DIR = "copies"
-COPY_BUILD_KEYS = ("full_prompt", "random_sids", "straight", "lookup", "trace_style", "relabel_last_code", "limit", "seed")
+COPY_BUILD_KEYS = ("full_prompt", "random_sids", "straight", "lookup", "trace_style", "relabel_last_code",
+                   "uniform_pick", "limit", "seed")
 CHOOSE_KEYS = ("average_last", "metric", "limit")
 CHOOSE_METRICS = ("recall@1", "ndcg@3", "valid_rate")
 

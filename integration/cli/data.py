@@ -57,7 +57,7 @@ def cmd_data_copy_warmup(args) -> int:
     out = build_copy_warmup(args.data, args.out_name, seed=args.seed, limit=args.limit, source=args.source,
                             full_prompt=args.full_prompt, random_sids=args.random_sids, out_path=args.out,
                             straight=args.straight, lookup=args.lookup, trace_style=args.trace_style,
-                            relabel_last_code=args.relabel_last_code)
+                            relabel_last_code=args.relabel_last_code, uniform_pick=args.uniform_pick)
     print(f"copy warm-up examples written to {out}")
     return 0
 
@@ -112,4 +112,7 @@ def add_data(sub) -> None:
     dc.add_argument("--trace-style", choices=["scan", "scan_recent", "scan_brand"],
                     help="answer each real prompt with this rule-scan trace and pick (as retrace does) "
                     "instead of the 'put #k first' copy task")
+    dc.add_argument("--uniform-pick", action="store_true",
+                    help="with --trace-style: reorder each list's candidates so the scan's pick lands at "
+                    "a uniformly drawn position (real lists pick #1 about half the time)")
     dc.set_defaults(func=cmd_data_copy_warmup)

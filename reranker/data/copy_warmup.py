@@ -31,7 +31,7 @@ from pathlib import Path
 
 from candidate_gen.files import atomic_write_text, read_jsonl
 
-from reranker.text.prompt import render_assistant
+from reranker.text.prompt import render_assistant, reorder_candidates
 from reranker.text.sid import SID_CODEBOOK, SID_RE, SemanticIds, format_sid
 
 SYSTEM = "Copy the candidates."
@@ -170,6 +170,37 @@ def lookup_copy_lists(n: int, seed: int = 0, n_sids: int = 10) -> list[dict]:
     return out
 
 
+def uniform_pick_order(keys, rng: random.Random) -> list[int]:
+    """A candidate order in which a scan's pick (the first of the largest ``keys``) lands at a
+    uniformly drawn position, as far as ties allow: one of the tied best is placed there, the
+    rest of them after it. Why: in real lists the scan picks the retriever's #1 46% of the time
+    and #4-#10 a quarter of the time in all (Beauty training lists), so the decision's lookup by
+    number ("#6.<sid>") is rarely trained past the first lines; a model trained that way copied
+    #1's SID in its place and got no decision right past #3 (docs/EXPERIMENTS.md)."""
+    best = max(keys)
+    tied = [j for j, k in enumerate(keys) if k == best]
+    others = [j for j, k in enumerate(keys) if k != best]
+    at = rng.randrange(len(others) + 1)
+    pick = rng.choice(tied)
+    rng.shuffle(others)
+    after = others[at:] + [j for j in tied if j != pick]
+    rng.shuffle(after)
+    return others[:at] + [pick] + after
+
+
+def reorder_for_uniform_pick(record: dict, style: str, rng: random.Random) -> dict:
+    """``record`` (a real list: prompt_messages, candidate_sids) with its candidates reordered by
+    `uniform_pick_order` under the ``style`` scan: lines renumbered, the retriever-order line
+    rewritten, candidate_sids in the new order."""
+    from .retrace import rule_keys, user_text  # retrace imports the dataset module, which is heavy
+
+    sids = [str(s) for s in record["candidate_sids"]]
+    order = uniform_pick_order(rule_keys(user_text(record), len(sids), style), rng)
+    text = reorder_candidates(user_text(record), sids, order)
+    messages = [dict(m, content=text) if m.get("role") == "user" else dict(m) for m in record["prompt_messages"]]
+    return {**record, "prompt_messages": messages, "candidate_sids": [sids[j] for j in order]}
+
+
 def scan_copy_example(record: dict, style: str) -> dict:
     """A real re-ranking list (prompt unchanged) answered by a rule-scan trace style (`retrace`'s
     RULE_LABEL_STYLES): relabelled with `relabel_sids`, it teaches copying in the exact format the
@@ -197,7 +228,8 @@ def _last_codebook(data_dir: Path) -> int:
 def build_copy_warmup(data_dir, out_name: str = "copy_warmup.jsonl", seed: int = 0, limit: int | None = None,
                       source: str = "train.jsonl", full_prompt: bool = False, random_sids: bool = False,
                       out_path=None, straight: int | None = None, trace_style: str | None = None,
-                      relabel_last_code: bool = False, lookup: int | None = None) -> Path:
+                      relabel_last_code: bool = False, lookup: int | None = None,
+                      uniform_pick: bool = False) -> Path:
     """Write <data_dir>/<out_name>: one warm-up example per list of <data_dir>/<source>
     (train.jsonl for training; valid.jsonl gives held-out examples for the SID-copy diagnostic).
     full_prompt: keep the list's real prompt (retriever order, history and evidence) instead of a
@@ -209,7 +241,9 @@ def build_copy_warmup(data_dir, out_name: str = "copy_warmup.jsonl", seed: int =
     trace_style: a rule-scan style ("scan", "scan_recent", "scan_brand"): keep each real prompt and
     answer it with that style's trace and pick (`scan_copy_example`) instead of "put #k first".
     relabel_last_code: with random_sids, draw the dedup code too, uniformly over the data's own
-    last codebook (sids.json), so rare dedup tokens are copied as often as common ones."""
+    last codebook (sids.json), so rare dedup tokens are copied as often as common ones.
+    uniform_pick: with trace_style, reorder each list's candidates so the scan's pick lands at a
+    uniformly drawn position (`reorder_for_uniform_pick`), not mostly at #1."""
     data_dir = Path(data_dir)
     out = Path(out_path) if out_path is not None else data_dir / out_name
     if straight is not None and lookup is not None:
@@ -227,6 +261,8 @@ def build_copy_warmup(data_dir, out_name: str = "copy_warmup.jsonl", seed: int =
 
         if trace_style not in RULE_LABEL_STYLES:
             raise ValueError(f"trace_style must be one of {RULE_LABEL_STYLES}, got {trace_style!r}")
+    if uniform_pick and trace_style is None:
+        raise ValueError("uniform_pick needs trace_style (it places the scan's pick)")
     if relabel_last_code and not random_sids:
         raise ValueError("relabel_last_code needs random_sids (it relabels the dedup code of random SIDs)")
     last_codes = _last_codebook(data_dir) if relabel_last_code else None
@@ -237,6 +273,8 @@ def build_copy_warmup(data_dir, out_name: str = "copy_warmup.jsonl", seed: int =
     lines = []
     for row in rows:
         if trace_style is not None:
+            if uniform_pick:
+                row = reorder_for_uniform_pick(row, trace_style, rng)
             rec = scan_copy_example(row, trace_style)
         elif full_prompt:
             rec = full_prompt_copy_example(row, rng.randrange(len(row["candidate_sids"])))

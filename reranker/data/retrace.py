@@ -56,6 +56,21 @@ def user_text(row: dict) -> str:
     raise ValueError("field 'prompt_messages': no user message")
 
 
+def rule_keys(user_text: str, n_candidates: int, style: str) -> list[tuple]:
+    """What a RULE_LABEL_STYLES scan compares for each candidate (read from the prompt's evidence
+    lines): the counts after the last item ("scan"), after the last 3 ("scan_recent"), then the
+    same-brand count ("scan_brand"). The scan picks the first candidate with the largest key."""
+    if style not in RULE_LABEL_STYLES:
+        raise ValueError(f"rule_keys knows the styles {RULE_LABEL_STYLES}, got style {style!r}")
+    evidence = parse_candidate_evidence(user_text, n_candidates)
+    recent = [tuple(int(x) for x in ev["copurchase_recent"] or [0]) for ev in evidence]
+    if style == "scan":
+        return [c[:1] for c in recent]
+    if style == "scan_recent":
+        return recent
+    return [c + (int(ev["brand_match_count"]),) for c, ev in zip(recent, evidence)]
+
+
 def rule_scan(user_text: str, sids, style: str) -> tuple[str, list[int]]:
     """(trace, ranking) of a RULE_LABEL_STYLES style, from the evidence lines of a rendered prompt."""
     evidence = parse_candidate_evidence(user_text, len(sids))

@@ -188,7 +188,7 @@ def render_prompt_messages(
     lines += [_joined(sids.sid_string(i), _item_text(meta.get(i, empty), prof, absent)) for i in shown]
     if not shown:
         lines.append("none")
-    header = "Candidates (retriever order)."
+    header = CANDIDATES_HEADER
     if evidence is not None and prof.legend:
         header += " " + evidence_legend(int(evidence[0].get("window", 1)), absent)
     lines.append(header)
@@ -232,11 +232,36 @@ def render_prompt_within_budget(
 
 
 ORDER_LINE_PREFIX = "Retriever order: "
+CANDIDATES_HEADER = "Candidates (retriever order)."
 
 
 def render_order_line(candidate_sids: Sequence[str]) -> str:
     """The prompt's retriever-order line: the candidate SIDs in the list the answer writes."""
     return ORDER_LINE_PREFIX + json.dumps(list(candidate_sids))
+
+
+def reorder_candidates(user_text: str, candidate_sids: Sequence[str], order: Sequence[int]) -> str:
+    """A rendered prompt with its candidates listed in ``order`` (new line k is old candidate
+    ``order[k-1]``, 0-based): the numbered lines renumbered and the retriever-order line, if any,
+    rewritten to match. History and everything else are unchanged."""
+    n = len(candidate_sids)
+    if sorted(order) != list(range(n)):
+        raise ValueError(f"order must be a permutation of 0..{n - 1}, got {list(order)}")
+    lines = user_text.split("\n")
+    head = next((i for i, line in enumerate(lines) if line.startswith(CANDIDATES_HEADER)), None)
+    if head is None or head + n > len(lines) - 1:
+        raise ValueError(f"prompt has no {CANDIDATES_HEADER!r} section with {n} numbered lines")
+    body = []
+    for k in range(1, n + 1):
+        line = lines[head + k]
+        if not line.startswith(f"{k}."):
+            raise ValueError(f"candidate line {k} of the prompt does not start with \"{k}.\": {line[:40]!r}")
+        body.append(line[len(f"{k}."):])
+    lines[head + 1:head + 1 + n] = [f"{k + 1}.{body[j]}" for k, j in enumerate(order)]
+    for i, line in enumerate(lines):
+        if line.startswith(ORDER_LINE_PREFIX):
+            lines[i] = render_order_line([candidate_sids[j] for j in order])
+    return "\n".join(lines)
 
 
 def render_answer(ranking_sids: Sequence[str]) -> str:

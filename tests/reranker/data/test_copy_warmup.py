@@ -201,3 +201,52 @@ def test_scan_traced_copies_with_relabelled_dedup_codes(tmp_path):
     (tmp_path / "sids.json").write_text("{}")
     with pytest.raises(ValueError, match="sids.json: cannot read meta.codebook_sizes"):
         build_copy_warmup(tmp_path, random_sids=True, relabel_last_code=True)
+
+
+def _scan_row(evidence, order_line=True):
+    sids = [f"<|sid_begin|><a_{i}><b_{i}><c_1><d_0><|sid_end|>" for i in range(len(evidence))]
+    user = ("History (oldest first, 1 of 1):\nh\nCandidates (retriever order).\n"
+            + "\n".join(f"{i + 1}.{s} Cat, Brand; {e}" for i, (s, e) in enumerate(zip(sids, evidence)))
+            + ("\nRetriever order: " + json.dumps(sids) if order_line else "")
+            + f"\nRank all {len(sids)} candidates.")
+    return {"candidate_sids": sids, "assistant": "x",
+            "prompt_messages": [{"role": "system", "content": "Re-rank."}, {"role": "user", "content": user}]}
+
+
+def test_uniform_pick_spreads_the_scans_pick_over_every_position(tmp_path):
+    """Real lists mostly pick #1; with uniform_pick the copies put the pick at every position about
+    equally often, and each copy is still answered by the scan of its own (reordered) prompt."""
+    import random
+    import re
+
+    from reranker.data.copy_warmup import uniform_pick_order
+
+    rng = random.Random(0)
+    keys = [(0,), (3,), (1,), (3,), (0,)]  # the pick: #2 (first of the largest); #4 ties it
+    at = [uniform_pick_order(keys, rng) for _ in range(2000)]
+    assert all(sorted(o) == list(range(5)) for o in at)
+    firsts = [next(i for i, j in enumerate(o) if keys[j] == (3,)) for o in at]  # where the pick lands
+    counts = [firsts.count(p) for p in range(5)]
+    assert counts[4] == 0 and min(counts[:4]) > 400  # three others can go before it: positions 1-4, uniform
+    assert uniform_pick_order([(1,)] * 3, rng)[0] in range(3)  # all tied: the pick is #1, whichever it is
+
+    rows = [_scan_row(["cobought 0/0; brand 0; category no"] * 3 + ["cobought 2/0; brand 0; category yes"]
+                      + ["cobought 0/0; brand 1; category no"] * 6) for _ in range(200)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plain = [json.loads(x) for x in build_copy_warmup(tmp_path, trace_style="scan_brand").read_text().splitlines()]
+    assert {re.search(r"\n#(\d+)\.", r["assistant"]).group(1) for r in plain} == {"4"}
+    recs = [json.loads(x) for x in build_copy_warmup(tmp_path, trace_style="scan_brand", uniform_pick=True,
+                                                      seed=3).read_text().splitlines()]
+    picks = []
+    for rec in recs:
+        user = rec["prompt_messages"][1]["content"]
+        listed = re.findall(r"^\d+\.(<\|sid_begin\|>.*?<\|sid_end\|>)", user, re.M)
+        assert sorted(listed) == sorted(rows[0]["candidate_sids"])
+        assert json.loads(user.split("Retriever order: ", 1)[1].split("\n", 1)[0]) == listed
+        k = int(re.search(r"\n#(\d+)\.", rec["assistant"]).group(1))
+        assert listed[k - 1] == rows[0]["candidate_sids"][3]  # the decision still names the co-bought item
+        assert parse_ranking(rec["assistant"], listed).permutation[0] == k - 1
+        picks.append(k)
+    assert len(set(picks)) == 10
+    with pytest.raises(ValueError, match="uniform_pick needs trace_style"):
+        build_copy_warmup(tmp_path, uniform_pick=True)

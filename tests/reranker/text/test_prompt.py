@@ -252,3 +252,24 @@ def test_order_line_added_to_a_prompt_without_it_is_the_rendered_one(world):
         add_order_line({"prompt_messages": msgs})
     with pytest.raises(ValueError, match="no numbered candidate lines"):
         add_order_line({"prompt_messages": [{"role": "user", "content": "History\nRank all 0 candidates."}]})
+
+
+def test_reorder_candidates_renumbers_the_lines_and_rewrites_the_order_line():
+    import json
+
+    from reranker.text.prompt import reorder_candidates
+
+    sids = ["<s0>", "<s1>", "<s2>"]
+    user = ("History (oldest first, 1 of 1):\n<h> Cat\nCandidates (retriever order).\n1.<s0> A; cobought 1\n"
+            "2.<s1> B; cobought 0\n3.<s2> C; cobought 2\nRetriever order: " + json.dumps(sids)
+            + "\nRank all 3 candidates.")
+    out = reorder_candidates(user, sids, [2, 0, 1])
+    assert out.split("\n")[3:7] == ["1.<s2> C; cobought 2", "2.<s0> A; cobought 1", "3.<s1> B; cobought 0",
+                                    "Retriever order: " + json.dumps(["<s2>", "<s0>", "<s1>"])]
+    assert out.split("\n")[:3] == user.split("\n")[:3] and out.endswith("Rank all 3 candidates.")
+    with pytest.raises(ValueError, match="permutation"):
+        reorder_candidates(user, sids, [0, 0, 1])
+    with pytest.raises(ValueError, match="candidate line 2"):
+        reorder_candidates(user.replace("2.<s1>", "<s1>"), sids, [2, 0, 1])
+    with pytest.raises(ValueError, match="section with 3 numbered lines"):
+        reorder_candidates("no candidates here", sids, [2, 0, 1])
