@@ -96,7 +96,6 @@ class RerankEngine:
     @classmethod
     def load(cls, model_dir, data_dir=None, device: str = "cpu", profile: str | None = None) -> "RerankEngine":
         """data_dir None: the release bundle model_dir lies in (data_dir_for)."""
-
         from .model import load_model
 
         data_dir = cls.data_dir_for(model_dir, data_dir)

@@ -140,7 +140,6 @@ def average_models(paths, out):
     checkpoints of one run or of sibling runs from one parent); config, generation config and
     tokenizer are the first one's. The models must share architecture and every tensor's shape,
     and converted (diffusion) models their block size and mask token, or nothing is written."""
-
     paths = [Path(p) for p in paths]
     if len(paths) < 2:
         raise ValueError(f"averaging needs at least two model directories, got {len(paths)}")

@@ -194,9 +194,9 @@ def reorder_for_uniform_pick(record: dict, style: str, rng: random.Random) -> di
     rewritten, candidate_sids in the new order."""
     from .retrace import rule_keys, user_text  # retrace imports the dataset module, which is heavy
 
-    sids = [str(s) for s in record["candidate_sids"]]
-    order = uniform_pick_order(rule_keys(user_text(record), len(sids), style), rng)
-    text = reorder_candidates(user_text(record), sids, order)
+    sids, text = [str(s) for s in record["candidate_sids"]], user_text(record)
+    order = uniform_pick_order(rule_keys(text, len(sids), style), rng)
+    text = reorder_candidates(text, sids, order)
     messages = [dict(m, content=text) if m.get("role") == "user" else dict(m) for m in record["prompt_messages"]]
     return {**record, "prompt_messages": messages, "candidate_sids": [sids[j] for j in order]}
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from candidate_gen.files import atomic_write_text, iter_jsonl, write_jsonl
 
-from reranker.data.teachers.traces import SCAN_HEADS, WHY_FIRST, brief_trace, rest_text, scan_trace
+from reranker.data.teachers.traces import SCAN_HEADS, WHY_FIRST, brief_trace, rest_text, scan_keys, scan_trace
 from reranker.text.prompt import parse_candidate_evidence, render_assistant
 
 SPLITS = ("train", "valid", "test")
@@ -56,33 +56,30 @@ def user_text(row: dict) -> str:
     raise ValueError("field 'prompt_messages': no user message")
 
 
-def rule_keys(user_text: str, n_candidates: int, style: str) -> list[tuple]:
-    """What a RULE_LABEL_STYLES scan compares for each candidate (read from the prompt's evidence
-    lines): the counts after the last item ("scan"), after the last 3 ("scan_recent"), then the
-    same-brand count ("scan_brand"). The scan picks the first candidate with the largest key."""
-    if style not in RULE_LABEL_STYLES:
-        raise ValueError(f"rule_keys knows the styles {RULE_LABEL_STYLES}, got style {style!r}")
+def _rule_inputs(user_text: str, n_candidates: int, style: str) -> tuple[list, str, list[int] | None]:
+    """(counts, scan head, brand counts or None) of a RULE_LABEL_STYLES scan, from the evidence
+    lines of a rendered prompt."""
     evidence = parse_candidate_evidence(user_text, n_candidates)
-    recent = [tuple(int(x) for x in ev["copurchase_recent"] or [0]) for ev in evidence]
+    recent = [ev["copurchase_recent"] or [0] for ev in evidence]
     if style == "scan":
-        return [c[:1] for c in recent]
+        return [c[0] for c in recent], SCAN_HEADS["last"], None
     if style == "scan_recent":
-        return recent
-    return [c + (int(ev["brand_match_count"]),) for c, ev in zip(recent, evidence)]
+        return [tuple(c) for c in recent], SCAN_HEADS["recent"], None
+    if style == "scan_brand":
+        return [tuple(c) for c in recent], SCAN_HEADS["recent_brand"], [ev["brand_match_count"] for ev in evidence]
+    raise ValueError(f"rule_scan writes one of {RULE_LABEL_STYLES}, got style {style!r}")
+
+
+def rule_keys(user_text: str, n_candidates: int, style: str) -> list[tuple]:
+    """What a RULE_LABEL_STYLES scan compares for each candidate; it picks the first of the largest."""
+    counts, _, brands = _rule_inputs(user_text, n_candidates, style)
+    return scan_keys(counts, brands)
 
 
 def rule_scan(user_text: str, sids, style: str) -> tuple[str, list[int]]:
     """(trace, ranking) of a RULE_LABEL_STYLES style, from the evidence lines of a rendered prompt."""
-    evidence = parse_candidate_evidence(user_text, len(sids))
-    recent = [ev["copurchase_recent"] or [0] for ev in evidence]
-    if style == "scan":
-        return scan_trace(sids, [c[0] for c in recent])
-    if style == "scan_recent":
-        return scan_trace(sids, [tuple(c) for c in recent], SCAN_HEADS["recent"])
-    if style == "scan_brand":
-        return scan_trace(sids, [tuple(c) for c in recent], SCAN_HEADS["recent_brand"],
-                          [ev["brand_match_count"] for ev in evidence])
-    raise ValueError(f"rule_scan writes one of {RULE_LABEL_STYLES}, got style {style!r}")
+    counts, head, brands = _rule_inputs(user_text, len(sids), style)
+    return scan_trace(sids, counts, head, brands)
 
 
 def retrace_row(row: dict, style: str = "brief") -> dict:

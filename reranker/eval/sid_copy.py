@@ -158,7 +158,6 @@ def greedy_copy_validity(model, tokenizer, records: list[dict], max_new_tokens: 
 
 def run_sid_copy(model_dir, data_dir, file: str = "valid.jsonl", limit: int | None = 64, batch_size: int = 8,
                  greedy: bool = False) -> dict:
-
     from reranker.model import load_model
 
     path = Path(data_dir) / file

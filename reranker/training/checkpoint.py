@@ -155,7 +155,6 @@ def export_checkpoint(checkpoint, like, out) -> Path:
     config and tokenizer of `like` (the stage's input model dir), the weights of `checkpoint`.
     A stage writes its output dir only when it finishes; this probes one that is still running or
     was stopped (`dgr2 model export`)."""
-
     from reranker.model import load_model
 
     path = Path(checkpoint)

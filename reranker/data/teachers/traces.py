@@ -204,6 +204,12 @@ def _count_key(c) -> tuple:
     return tuple(int(x) for x in c) if isinstance(c, (tuple, list)) else (int(c),)
 
 
+def scan_keys(counts: Sequence, brands: Sequence[int] | None = None) -> list[tuple]:
+    """What the scan compares for each candidate: its counts, then its same-brand count if given."""
+    keys = [_count_key(c) for c in counts]
+    return keys if brands is None else [key + (int(b),) for key, b in zip(keys, brands)]
+
+
 def copurchase_scan(counts: Sequence, head: str = SCAN_HEADS["last"],
                     brands: Sequence[int] | None = None) -> tuple[str, int]:
     """The "scan" trace's evidence line and the candidate it picks.
@@ -223,11 +229,10 @@ def copurchase_scan(counts: Sequence, head: str = SCAN_HEADS["last"],
         raise ValueError("copurchase_scan needs at least one candidate")
     if brands is not None and len(brands) != len(counts):
         raise ValueError(f"{len(counts)} co-purchase counts but {len(brands)} brand counts")
-    keys = [_count_key(c) for c in counts]
-    texts = ["/".join(map(str, key)) for key in keys]
+    texts = ["/".join(map(str, _count_key(c))) for c in counts]
     if brands is not None:
-        keys = [key + (int(b),) for key, b in zip(keys, brands)]
         texts = [f"{t} b{int(b)}" for t, b in zip(texts, brands)]
+    keys = scan_keys(counts, brands)
     best, parts = 0, []
     for k, key in enumerate(keys):
         beats = k == 0 or key > keys[best]
