@@ -29,7 +29,21 @@ COPIES_DIR = "copies"
 COPY_BUILD_KEYS = ("full_prompt", "random_sids", "straight", "lookup", "trace_style", "relabel_last_code",
                    "uniform_pick", "limit", "seed")
 CHOOSE_KEYS = ("average_last", "metric", "limit")
+MODEL_KEYS = ("size", "base", "qk_norm_gain")
 CHOOSE_METRICS = ("recall@1", "ndcg@3", "valid_rate")
+
+
+def check_model_section(model: dict) -> None:
+    """The config's `model` section: known keys, and a gain only for a fresh model (init_model)."""
+    from reranker.model import check_qk_norm_gain
+
+    bad = sorted(set(model) - set(MODEL_KEYS))
+    if bad:
+        raise ValueError(f"model: unknown key(s) {bad}; allowed: {list(MODEL_KEYS)}")
+    try:
+        check_qk_norm_gain(model.get("qk_norm_gain", 1.0), model.get("base"))
+    except ValueError as err:
+        raise ValueError(f"model.{err}") from None
 
 
 def check_copy_build(build, where: str) -> None:

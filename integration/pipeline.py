@@ -28,7 +28,7 @@ from pathlib import Path
 from candidate_gen.files import atomic_write_text, file_sha256, model_sha256
 
 from .config import section
-from .phases import check_stages, choose_on_validation, copy_warmup_specs, phase_specs
+from .phases import check_model_section, check_stages, choose_on_validation, copy_warmup_specs, phase_specs
 from .step_markers import mark_step, step_done, step_hash
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
 
     out = Path(cfg["out"])
     check_stages(section(cfg, "stages"))  # before hours of work, not when a stage's chain starts
+    check_model_section(section(cfg, "model"))
     # the settings this run was made from: what `dgr2 release` ships and hashes as the recipe
     atomic_write_text(out / "recipe.json", json.dumps(cfg, indent=2, sort_keys=True, default=str) + "\n")
     seed = int(cfg.get("seed", 0))
@@ -99,7 +100,8 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     init_dir = out / "models" / "init"
     h_init = step_hash("init", h_data, mcfg, seed)
     if not step_done(out / "models" / ".init_done.json", h_init):
-        init_model(data_dir, init_dir, size=mcfg.get("size", "cpu"), base=mcfg.get("base"), seed=seed)
+        init_model(data_dir, init_dir, size=mcfg.get("size", "cpu"), base=mcfg.get("base"), seed=seed,
+                   qk_norm_gain=mcfg.get("qk_norm_gain", 1.0))
         mark_step(out / "models" / ".init_done.json", h_init)
     stages = section(cfg, "stages")
     ecfg = section(cfg, "eval")

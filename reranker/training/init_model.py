@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from reranker.model import build_model, load_model, resize_for_tokenizer, save_model
+from reranker.model import build_model, check_qk_norm_gain, load_model, resize_for_tokenizer, save_model
 from reranker.text.tokenizer import CHAT_TEMPLATE, CONTENT_TOKENS, CONTROL_TOKENS, IM_END, load_tokenizer, PAD_TOKEN
 
 
@@ -33,7 +33,11 @@ def extend_tokenizer(tok):
     return tok
 
 
-def init_model(data_dir, out_dir, size: str | dict = "cpu", base: str | None = None, seed: int = 0) -> Path:
+def init_model(data_dir, out_dir, size: str | dict = "cpu", base: str | None = None, seed: int = 0,
+               qk_norm_gain: float = 1.0) -> Path:
+    """qk_norm_gain: the fresh model's initial query/key norm gains (`build_model`); a base
+    checkpoint keeps its own, so it cannot be combined with one."""
+    check_qk_norm_gain(qk_norm_gain, base)
     if base:
         if not Path(base).is_dir():
             raise FileNotFoundError(f"--base {base}: not a local model directory (nothing is downloaded)")
@@ -47,5 +51,5 @@ def init_model(data_dir, out_dir, size: str | dict = "cpu", base: str | None = N
             raise FileNotFoundError(f"{tok_dir}: missing; build the re-ranking data with `dgr2 data build`")
         tok = load_tokenizer(tok_dir)
         model = build_model(len(tok), size, pad_token_id=tok.pad_token_id,
-                            eos_token_id=tok.convert_tokens_to_ids(IM_END), seed=seed)
+                            eos_token_id=tok.convert_tokens_to_ids(IM_END), seed=seed, qk_norm_gain=qk_norm_gain)
     return save_model(model, tok, out_dir)

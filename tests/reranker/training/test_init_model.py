@@ -32,3 +32,27 @@ def test_fresh_and_local_checkpoint(tmp_path):
     # The original rows are untouched.
     assert torch.equal(m2.get_input_embeddings().weight[:3], foreign.get_input_embeddings().weight[:3])
     assert t2.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith("<|im_start|>user")
+
+
+def test_qk_norm_gain_sets_every_query_and_key_gain_and_nothing_else(tmp_path):
+    import pytest
+
+    from integration.phases import check_model_section
+
+    plain, gained = build_model(50, size="tiny", seed=3), build_model(50, size="tiny", seed=3, qk_norm_gain=1.5)
+    a, b = plain.state_dict(), gained.state_dict()
+    for name in a:
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            assert torch.all(a[name] == 1.0) and torch.all(b[name] == 1.5), name
+        else:
+            assert torch.equal(a[name], b[name]), name  # the same seed draws the same weights
+    for bad in (0, -1.0, 9, True, "2"):
+        with pytest.raises(ValueError, match="qk_norm_gain"):
+            build_model(50, size="tiny", qk_norm_gain=bad)
+    with pytest.raises(ValueError, match="model.qk_norm_gain"):
+        check_model_section({"size": "cpu", "qk_norm_gain": 0})
+    with pytest.raises(ValueError, match="base checkpoint"):
+        check_model_section({"base": "some/dir", "qk_norm_gain": 1.5})
+    with pytest.raises(ValueError, match="unknown key"):
+        check_model_section({"qk_gain": 1.5})
+    check_model_section({"size": "cpu", "qk_norm_gain": 1.5})
