@@ -35,13 +35,13 @@ CHOOSE_METRICS = ("recall@1", "ndcg@3", "valid_rate")
 
 def check_model_section(model: dict) -> None:
     """The config's `model` section: known keys, and a gain only for a fresh model (init_model)."""
-    from reranker.model import check_qk_norm_gain
+    from reranker.model import DEFAULT_QK_NORM_GAIN, check_qk_norm_gain
 
     bad = sorted(set(model) - set(MODEL_KEYS))
     if bad:
         raise ValueError(f"model: unknown key(s) {bad}; allowed: {list(MODEL_KEYS)}")
     try:
-        check_qk_norm_gain(model.get("qk_norm_gain", 1.0), model.get("base"))
+        check_qk_norm_gain(model.get("qk_norm_gain", DEFAULT_QK_NORM_GAIN), model.get("base"))
     except ValueError as err:
         raise ValueError(f"model.{err}") from None
 

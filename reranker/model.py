@@ -24,19 +24,23 @@ SIZES = {
 }
 
 
+# Qwen3 initialises its query/key RMSNorm gains at 1; build_model can start them elsewhere.
+DEFAULT_QK_NORM_GAIN = 1.0
+
+
 def check_qk_norm_gain(gain, base=None) -> float:
     """The one validation of the initial query/key norm gain (see build_model): a number in (0, 8],
     and 1 when the model starts from a `base` checkpoint, which keeps its own weights."""
     if isinstance(gain, bool) or not isinstance(gain, (int, float)) or not 0 < gain <= 8:
         raise ValueError(f"qk_norm_gain must be a number in (0, 8], got {gain!r}")
-    if base and gain != 1.0:
+    if base and gain != DEFAULT_QK_NORM_GAIN:
         raise ValueError(f"qk_norm_gain {gain} sets a fresh model's initial weights; a base checkpoint ({base}) "
                          "keeps its own")
     return float(gain)
 
 
 def build_model(vocab_size, size="cpu", pad_token_id=None, eos_token_id=None, bos_token_id=None,
-                seed=0, attn_implementation="sdpa", qk_norm_gain=1.0):
+                seed=0, attn_implementation="sdpa", qk_norm_gain=DEFAULT_QK_NORM_GAIN):
     """A freshly initialised Qwen3ForCausalLM. `size` is "cpu", "tiny" or a dict of Qwen3Config
     fields (a dict overrides the "cpu" defaults).
 
@@ -57,7 +61,7 @@ def build_model(vocab_size, size="cpu", pad_token_id=None, eos_token_id=None, bo
     with torch.random.fork_rng():  # seeded init without disturbing the caller's RNG stream
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(copy.deepcopy(config))
-    if gain != 1.0:
+    if gain != DEFAULT_QK_NORM_GAIN:
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.fill_(gain)

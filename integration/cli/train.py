@@ -17,8 +17,8 @@ CONVERT_RECORDS = ("tau", "commit_rule", "hold_eos", "max_new_tokens", "lookup_d
 def cmd_model_init(args) -> int:
     from reranker.training.init_model import init_model
 
-    out = init_model(args.data, args.out, size=args.size, base=args.base, seed=args.seed,
-                     qk_norm_gain=args.qk_norm_gain)
+    gain = {} if args.qk_norm_gain is None else {"qk_norm_gain": args.qk_norm_gain}  # else init_model's default
+    out = init_model(args.data, args.out, size=args.size, base=args.base, seed=args.seed, **gain)
     print(f"initial model written to {out}")
     return 0
 
@@ -89,8 +89,8 @@ def add_model(sub) -> None:
     mi.add_argument("--size", default="cpu", help="cpu | tiny")
     mi.add_argument("--base", help="a local Hugging Face causal-LM directory to start from instead")
     mi.add_argument("--seed", type=int, default=0)
-    mi.add_argument("--qk-norm-gain", type=float, default=1.0,
-                    help="initial query/key norm gain of a fresh model (configs' model.qk_norm_gain)")
+    mi.add_argument("--qk-norm-gain", type=float,
+                    help="initial query/key norm gain of a fresh model (configs' model.qk_norm_gain; default 1)")
     mi.set_defaults(func=cmd_model_init)
     me = msub.add_parser("export", help="a model directory from a training checkpoint (probe a running stage)")
     me.add_argument("--checkpoint", required=True, help="<runs>/<stage>/checkpoints/stepNNNNNNNN-<tag>.pt")

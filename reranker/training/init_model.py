@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from reranker.model import build_model, check_qk_norm_gain, load_model, resize_for_tokenizer, save_model
+from reranker.model import (DEFAULT_QK_NORM_GAIN, build_model, check_qk_norm_gain, load_model, resize_for_tokenizer,
+                            save_model)
 from reranker.text.tokenizer import CHAT_TEMPLATE, CONTENT_TOKENS, CONTROL_TOKENS, IM_END, load_tokenizer, PAD_TOKEN
 
 
@@ -34,7 +35,7 @@ def extend_tokenizer(tok):
 
 
 def init_model(data_dir, out_dir, size: str | dict = "cpu", base: str | None = None, seed: int = 0,
-               qk_norm_gain: float = 1.0) -> Path:
+               qk_norm_gain: float = DEFAULT_QK_NORM_GAIN) -> Path:
     """qk_norm_gain: the fresh model's initial query/key norm gains (`build_model`); a base
     checkpoint keeps its own, so it cannot be combined with one."""
     check_qk_norm_gain(qk_norm_gain, base)
