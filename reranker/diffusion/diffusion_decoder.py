@@ -123,13 +123,15 @@ def block_step(model, cache, cache_blk, cache_valid, window, window_pos, window_
         mask = mask.clone()  # the memo keeps the plain mask
         # A later key carries a draft when a drafted column lies between the query and it (a key after
         # the drafts saw them in the layer before), so query q sees key k > q only if k is before the
-        # row's first drafted column or q is at or after its last: the drafted stretch is causal.
-        col = torch.arange(B, device=dev)
-        first = torch.where(hidden.any(1), hidden.int().argmax(1), B)
-        last = B - 1 - hidden.flip(1).int().argmax(1)
-        blocked = ((col[None, :] > col[:, None])[None] & (col[None, None, :] >= first[:, None, None])
-                   & (col[None, :, None] < last[:, None, None]))  # (b, query, key)
-        mask[:, 0, -B:, -B:] = mask[:, 0, -B:, -B:].masked_fill(blocked, torch.finfo(mask.dtype).min)
+        # row's first drafted column or q is at or after its last: the drafted stretch is causal. One
+        # in-place fill per drafted row (a small model's step is mostly per-op overhead).
+        later = torch.ones(B, B, dtype=torch.bool, device=dev).triu_(1)  # key after query
+        spans: dict[int, list[int]] = {}
+        for r, c in hidden.nonzero().tolist():
+            spans.setdefault(r, [c, c])[1] = c
+        q0, k0 = mask.shape[2] - B, mask.shape[3] - B  # the noisy window's first query and key
+        for r, (first, last) in spans.items():
+            mask[r, 0, q0:q0 + last, k0 + first:].masked_fill_(later[:last, first:], torch.finfo(mask.dtype).min)
     logits = forward(model, ids, pos, mask, cache, logits_to_keep=keep + offset)
     crop(cache, B - retain)
     if pending is not None or retain:  # then the mask was built here, with kv_blk and kv_valid
@@ -225,11 +227,12 @@ def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, 
                 # inputs (column j reads canvas[j-1]) are committed, so this step's KVs of them are kept.
                 if reuse_settled:
                     settle = min(int(leftmost.min()), end)
-            # Window columns some row still needs (one host sync). Every row's leftmost masked
-            # position lies inside the window, so none means the block is done.
-            cols = eligible[:, start:end].any(0).nonzero().squeeze(1)
-            if len(cols) == 0:
+            # The window columns some row still needs. Every row's leftmost masked position lies
+            # inside the window, so none means the block is done.
+            need = needed_columns(eligible[:, start:end])
+            if need is None:
                 break
+            cut = slice(start + need[0], start + need[1])
             window_in = torch.cat([last[:, None], canvas[:, :-1]], 1)
             drafted = None
             if lookup_drafts:
@@ -237,19 +240,19 @@ def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, 
                                                              [draft_len[r] for r in row_ids])
             window_ids = window_in[:, start:end]
             logits, cache_blk, cache_valid = block_step(model, cache, cache_blk, cache_valid, window_ids,
-                                                        win_pos[:, start:end], pre + k, pending, keep=cols,
+                                                        win_pos[:, start:end], pre + k, pending,
+                                                        keep=arange_b[need[0]:need[1]],
                                                         retain=settle - start, mask_memo=mask_memo,
                                                         hidden=None if drafted is None else drafted[:, start:end])
             pending = None
             n_forward, n_steps = n_forward + 1, n_steps + 1
             n_columns += end - start
-            in_window = eligible & (arange_b < end)[None] if end < B else eligible
-            commit, tok, lp = choose_commits(logits, cols + start, canvas, in_window, last_step, tau, temperature,
-                                             generator, commit_rule, eos_token_id if hold_eos else None,
-                                             drafted, window_in)
-            canvas = torch.where(commit, tok, canvas)
-            step_of = torch.where(commit, s, step_of)
-            lp_blk = torch.where(commit, lp, lp_blk)
+            commit, tok, lp = choose_commits(logits, eligible[:, cut], last_step, tau, temperature, generator,
+                                             commit_rule, eos_token_id if hold_eos else None,
+                                             None if drafted is None else drafted[:, cut], window_in[:, cut])
+            canvas[:, cut] = torch.where(commit, tok, canvas[:, cut])
+            step_of[:, cut].masked_fill_(commit, s)
+            lp_blk[:, cut] = torch.where(commit, lp, lp_blk[:, cut])
             if lookup_drafts:  # the committed run grows the text the next drafts are looked up in
                 rows_now = torch.cat([canvas, (step_of >= 0).sum(1, keepdim=True)], 1).tolist()
                 for i, r in enumerate(row_ids):
@@ -308,21 +311,30 @@ def draft_inputs(window_in, done, indexes, lengths):
     return torch.where(drafted, drafts, window_in), drafted, n_drafted
 
 
-def choose_commits(logits, cols, canvas, eligible, force, tau, temperature, generator, commit_rule, hold_eos_id,
+def needed_columns(eligible):
+    """(lo, hi): the block columns from the first that some row still has masked to the last, or
+    None when no row has one. A step asks logits for that one range, so every per-column array of
+    the step is a slice of the block (a column in between that no row needs gets logits it does not
+    use; at batch 1 there is none, and a scatter by index costs more than such a column)."""
+    need = eligible.any(0).nonzero()
+    if len(need) == 0:
+        return None
+    return int(need[0]), int(need[-1]) + 1
+
+
+def choose_commits(logits, eligible, force, tau, temperature, generator, commit_rule, hold_eos_id,
                    drafted=None, inputs=None):
-    """One step's choice: tokens for the `cols` that have logits, put back at their block columns
-    (columns without logits are not eligible, so never committed), and which eligible positions
-    commit. force: commit every eligible position (a bool, or per row (b,)); hold_eos_id: the EOS id
-    to hold (commit_confident's `hold`), or None; drafted / inputs: the columns whose input was a
-    lookup draft and the window's inputs (draft_inputs), or None. Returns (commit, tokens,
-    logprobs), each (b, B)."""
-    tok_c, lp_c, conf_c = pick_tokens(logits, temperature, generator=generator)
-    tok, lp = canvas.clone(), torch.zeros(canvas.shape, device=canvas.device)
-    conf = torch.zeros_like(lp)
-    tok[:, cols], lp[:, cols], conf[:, cols] = tok_c, lp_c, conf_c
+    """One step's choice over the block columns its logits cover (the caller cuts eligible,
+    drafted and inputs to those columns, needed_columns): a token per column, and which eligible
+    positions commit. force: commit every eligible position (a bool, or per row (b,)); hold_eos_id:
+    the EOS id to hold (commit_confident's `hold`), or None; drafted / inputs: the columns whose
+    input was a lookup draft and the window's inputs (draft_inputs), or None. Returns (commit,
+    tokens, logprobs), each (b, columns)."""
+    tok, lp, conf = pick_tokens(logits, temperature, generator=generator)
     hold = tok == hold_eos_id if hold_eos_id is not None else None  # commit_confident only looks at eligible ones
     confirmed = None
     if drafted is not None:  # column j's draft is confirmed when it is the token chosen at j - 1
+        # (the first column is never drafted: drafts start after a row's leftmost masked position)
         confirmed = torch.zeros_like(drafted)
         confirmed[:, 1:] = drafted[:, 1:] & (inputs[:, 1:] == tok[:, :-1])
     if isinstance(force, bool):

@@ -21,7 +21,7 @@ import torch
 
 from reranker.decoding import DEFAULT_COMMIT_RULE, DEFAULT_TAU
 
-from .diffusion_decoder import _first_eos, choose_commits, collect_result, prefill
+from .diffusion_decoder import _first_eos, choose_commits, collect_result, needed_columns, prefill
 from .forward import check_commit_rule, clock, crop, forward, select_rows
 from .masks import block_causal_mask, left_pad
 
@@ -92,18 +92,18 @@ def diffusion_decode_independent(model, prompts, max_new_tokens, block_size, mas
         limit = (max_new_tokens - k * B).clamp(max=B)
         stop = torch.minimum(_first_eos(canvas, step_of, eos_token_id), limit)
         eligible = (step_of < 0) & (arange_b[None] < stop[:, None])
-        cols = eligible.any(0).nonzero().squeeze(1)
+        lo, hi = needed_columns(eligible)  # every active row has a masked column (finished rows moved on)
         win_pos = pre + k[:, None] * B + arange_b[None] - pad_left[:, None]
         window = torch.cat([last[:, None], canvas[:, :-1]], 1)
         logits, cache_blk, cache_valid = ragged_block_step(model, cache, cache_blk, cache_valid, window, win_pos,
-                                                           pre + k, pending, keep=cols)
+                                                           pre + k, pending, keep=arange_b[lo:hi])
         pending = None
         n_forward, n_steps = n_forward + 1, n_steps + 1
-        commit, tok, lp = choose_commits(logits, cols, canvas, eligible, s == cap - 1,  # a row's last allowed step
+        commit, tok, lp = choose_commits(logits, eligible[:, lo:hi], s == cap - 1,  # a row's last allowed step
                                          tau, temperature, generator, commit_rule, eos_token_id if hold_eos else None)
-        canvas = torch.where(commit, tok, canvas)
-        step_of = torch.where(commit, s[:, None], step_of)
-        lp_blk = torch.where(commit, lp, lp_blk)
+        canvas[:, lo:hi] = torch.where(commit, tok, canvas[:, lo:hi])
+        step_of[:, lo:hi] = torch.where(commit, s[:, None], step_of[:, lo:hi])
+        lp_blk[:, lo:hi] = torch.where(commit, lp, lp_blk[:, lo:hi])
         s = s + 1
         eos = _first_eos(canvas, step_of, eos_token_id)
         left = (step_of < 0) & (arange_b[None] < torch.minimum(eos, limit)[:, None])
