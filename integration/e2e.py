@@ -63,7 +63,7 @@ def _retrieval_artifacts(cfg: dict, data_override) -> tuple[Path, str, Path, dic
 
 def run_e2e(cfg: dict, rerankers: list[tuple[str, str, str]], n_users: int | None, seed: int, batch_size: int,
             tau: float | None = None, data_override=None, progress=True, commit_rule: str | None = None,
-            hold_eos: bool | None = None) -> dict:
+            hold_eos: bool | None = None, workers: int | None = None) -> dict:
     """Evaluate SASRec alone, then SASRec + each re-ranker (name, model dir, "ar" | "diffusion"),
     with RecBole's `Trainer.evaluate` on the retrieval stage's dataset and checkpoint.
 
@@ -73,7 +73,8 @@ def run_e2e(cfg: dict, rerankers: list[tuple[str, str, str]], n_users: int | Non
     depends only on that user's own sequence (and the masking only on that user's own history), and
     the item catalogue is unchanged, so this is exactly the full evaluation restricted to those users.
     Every row uses the same sample. tau, commit_rule, hold_eos (diffusion rows): None is each
-    model's recorded setting (reranker.decoding); a row records what it decoded with.
+    model's recorded setting (reranker.decoding); a row records what it decoded with. workers:
+    batches decoded at once (None: the config's eval.workers, else 1).
     """
     from tqdm.auto import tqdm
 
@@ -93,6 +94,7 @@ def run_e2e(cfg: dict, rerankers: list[tuple[str, str, str]], n_users: int | Non
         raise FileNotFoundError(f"{rerank_data / 'build_info.json'}: missing re-ranking data; make it with "
                                 f"`dgr2 data build --config configs/{cfg.get('name', '<name>')}.yaml`")
     ev = section(cfg, "eval")
+    workers = int(ev.get("workers", 1)) if workers is None else workers
     run_dir = Path(cfg["out"]) / "e2e"
 
     with recbole_compat(tensorboard_dir=str(run_dir / "tensorboard")):
@@ -103,7 +105,7 @@ def run_e2e(cfg: dict, rerankers: list[tuple[str, str, str]], n_users: int | Non
 
         settings = recbole_config_dict(data_root, run_dir, sasrec_params, int(cfg.get("seed", 0)))
         settings.update(sasrec_checkpoint=str(ckpt), mask_history=True, rerank_model=None,
-                        rerank_data=str(rerank_data), rerank_top_n=10, rerank_batch_size=batch_size,
+                        rerank_data=str(rerank_data), rerank_top_n=10, rerank_batch_size=batch_size, rerank_workers=workers,
                         rerank_tau=tau, rerank_commit_rule=commit_rule, rerank_hold_eos=hold_eos,
                         rerank_block_size=ev.get("block_size"),
                         rerank_max_new_tokens=ev.get("max_new_tokens"), show_progress=progress)
@@ -167,7 +169,7 @@ def run_e2e(cfg: dict, rerankers: list[tuple[str, str, str]], n_users: int | Non
 
     return {"dataset": name, "history_masked": True, "n_users": n_eval, "n_users_total": n_total,
             "user_sample_seed": seed if len(users) < n_total else None, "rerank_top_n": 10,
-            "rerank_batch_size": batch_size, "sasrec_checkpoint": str(ckpt), "rows": rows}
+            "rerank_batch_size": batch_size, "rerank_workers": workers, "sasrec_checkpoint": str(ckpt), "rows": rows}
 
 
 AT_10 = {"recall@10": ("recall", 10), "ndcg@10": ("ndcg", 10)}  # what RecBole reports here

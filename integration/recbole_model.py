@@ -15,6 +15,7 @@ RecBole config keys (YAML or config_dict):
     rerank_data: re-ranking data directory (dgr2 data build)
     rerank_top_n: 10
     rerank_batch_size: 8
+    rerank_workers: 1 (batches decoded at once, reranker.engine.rerank_batches; 2 on a 2-core CPU)
     rerank_<setting> for each decode setting of reranker.decoding (rerank_decoder, rerank_tau,
         rerank_commit_rule, rerank_hold_eos, rerank_block_size, rerank_max_new_tokens,
         rerank_temperature): unset or null is the model's recorded setting, else the default there
@@ -57,6 +58,9 @@ class SASRecReranked(SequentialRecommender):
         self.mask_history = bool(_get(config, "mask_history", True))
         self.top_n = int(_get(config, "rerank_top_n", 10))
         self.batch_size = int(_get(config, "rerank_batch_size", 8))
+        from reranker.engine import check_workers
+
+        self.workers = check_workers(_get(config, "rerank_workers", 1), "rerank_workers")
         self.item_tokens = [str(t) for t in dataset.field2id_token[self.ITEM_ID]]
         self.user_tokens = [str(t) for t in dataset.field2id_token[self.USER_ID]]
         # Every item the user interacted with in the training split, for history masking beyond
@@ -124,7 +128,7 @@ class SASRecReranked(SequentialRecommender):
 
     @torch.no_grad()
     def _rerank_top(self, scores, seqs, uids):
-        from reranker.engine import RerankRequest
+        from reranker.engine import RerankRequest, rerank_batches
 
         top_scores, top_idx = torch.topk(scores, self.top_n, dim=1)
         top_idx_np = top_idx.cpu().numpy()
@@ -134,8 +138,9 @@ class SASRecReranked(SequentialRecommender):
             cands = [self.item_tokens[i] for i in top_idx_np[r]]
             reqs.append(RerankRequest(history, cands, top_scores[r].tolist(), self.user_tokens[int(u)]))
         perms = []
-        for b in range(0, len(reqs), self.batch_size):
-            for res in self.engine.rerank(reqs[b:b + self.batch_size], self.options):
+        batches = [reqs[b:b + self.batch_size] for b in range(0, len(reqs), self.batch_size)]
+        for results in rerank_batches(self.engine, batches, self.options, self.workers):
+            for res in results:
                 perms.append(res.permutation)
                 self.rerank_stats["users"] += 1
                 self.rerank_stats["reordered"] += list(res.permutation) != list(range(len(res.permutation)))

@@ -64,7 +64,7 @@ def cmd_e2e(args) -> int:
     if args.add_to and not (args.out and Path(args.out).is_file()):
         raise FileNotFoundError(f"--add-to needs an existing --out file, got {args.out!r}")
     res = run_e2e(cfg, rerankers, args.users, args.seed, args.batch_size, args.tau, commit_rule=args.commit_rule,
-                  hold_eos=args.hold_eos)
+                  hold_eos=args.hold_eos, workers=args.workers)
     command = command_line()
     if args.add_to:
         from ..e2e import merge_into
@@ -142,6 +142,9 @@ def add_e2e(sub) -> None:
     ee.add_argument("--users", type=int, default=None, help="a seeded random sample of N test users (default: all)")
     ee.add_argument("--seed", type=int, default=0, help="seed of the user sample")
     ee.add_argument("--batch-size", type=int, default=32, help="re-ranker decode batch size")
+    ee.add_argument("--workers", type=int, default=None,
+                    help="batches decoded at once, on that many threads sharing torch's (default: the config's "
+                         "eval.workers, else 1)")
     add_decode_flags(ee, ("tau", "commit_rule", "hold_eos"))
     ee.add_argument("--out", help="write the result to this docs/results JSON file (recbole-e2e-<name>.json)")
     ee.add_argument("--add-to", action="store_true",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,7 @@ from tqdm.auto import tqdm
 
 from candidate_gen.files import read_jsonl
 
-from reranker.engine import DecodeOptions, RerankEngine, RerankRequest
+from reranker.engine import DecodeOptions, RerankEngine, RerankRequest, check_workers, rerank_batches
 from reranker.text.answer import FAILURE_KINDS
 from .metrics import compare, new_ranks, summarize
 
@@ -33,12 +32,9 @@ def evaluate(engine: RerankEngine, examples: list[dict], options: DecodeOptions,
              progress: bool = True, keep_outputs: bool = False, workers: int = 1) -> dict:
     """Decode every example (batches of batch_size, in order) and score the rankings.
 
-    workers: batches decoded at once on that many threads, torch's intra-op threads split among
-    them (on a 2-core CPU, two workers of one thread decode about 1.9x the lists of one of two:
-    docs/EXPERIMENTS.md). The same batches either way; `decode_seconds` then sums the workers'
-    decode times, `wall_seconds` is the elapsed time."""
-    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-        raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+    workers: batches decoded at once (reranker.engine.rerank_batches). The same batches either way;
+    `decode_seconds` then sums the workers' decode times, `wall_seconds` is the elapsed time."""
+    check_workers(workers)
     perms, outputs = [], []
     failures = {k: 0 for k in FAILURE_KINDS}
     valid = gen_tokens = n_forward = 0
@@ -46,36 +42,24 @@ def evaluate(engine: RerankEngine, examples: list[dict], options: DecodeOptions,
     t0 = time.perf_counter()
     bar = tqdm(total=len(examples), desc=f"eval {options.decoder}", unit="ex", disable=not progress)
     chunks = [examples[b:b + batch_size] for b in range(0, len(examples), batch_size)]
-
-    def decode(chunk):
-        return engine.rerank([RerankRequest(r["history"], r["candidates"], r.get("scores"), r.get("user"))
-                              for r in chunk], options)
-
-    threads = torch.get_num_threads()
-    pool = ThreadPoolExecutor(workers, thread_name_prefix="eval-decode") if workers > 1 else None
-    try:
-        if pool is not None:
-            torch.set_num_threads(max(1, threads // workers))
-        for chunk, results in zip(chunks, pool.map(decode, chunks) if pool is not None else map(decode, chunks)):
-            decode_seconds += results[0].decode_seconds if results else 0.0
-            n_forward += results[0].forward_passes if results else 0
-            row_tokens += sum(r.generated_tokens for r in results) / max(len(results), 1)  # mean row length
-            for r in results:
-                perms.append(r.permutation)
-                valid += r.valid
-                gen_tokens += r.generated_tokens
-                if r.failure:
-                    failures[r.failure] += 1
-            if keep_outputs:
-                for ex, r in zip(chunk, results):
-                    outputs.append({"user": ex.get("user"), "target_index": int(ex["target_index"]), "valid": r.valid,
-                                    "failure": r.failure, "permutation": r.permutation, "text": r.text,
-                                    "generated_tokens": r.generated_tokens, "forward_passes": r.forward_passes})
-            bar.update(len(chunk))
-    finally:
-        if pool is not None:
-            pool.shutdown(cancel_futures=True)
-            torch.set_num_threads(threads)
+    batches = [[RerankRequest(r["history"], r["candidates"], r.get("scores"), r.get("user")) for r in chunk]
+               for chunk in chunks]
+    for chunk, results in zip(chunks, rerank_batches(engine, batches, options, workers)):
+        decode_seconds += results[0].decode_seconds if results else 0.0
+        n_forward += results[0].forward_passes if results else 0
+        row_tokens += sum(r.generated_tokens for r in results) / max(len(results), 1)  # mean row length
+        for r in results:
+            perms.append(r.permutation)
+            valid += r.valid
+            gen_tokens += r.generated_tokens
+            if r.failure:
+                failures[r.failure] += 1
+        if keep_outputs:
+            for ex, r in zip(chunk, results):
+                outputs.append({"user": ex.get("user"), "target_index": int(ex["target_index"]), "valid": r.valid,
+                                "failure": r.failure, "permutation": r.permutation, "text": r.text,
+                                "generated_tokens": r.generated_tokens, "forward_passes": r.forward_passes})
+        bar.update(len(chunk))
     bar.close()
     n = len(examples)
     target_index = [int(r["target_index"]) for r in examples]
