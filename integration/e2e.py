@@ -105,7 +105,8 @@ def run_e2e(cfg: dict, rerankers: list[tuple[str, str, str]], n_users: int | Non
 
         settings = recbole_config_dict(data_root, run_dir, sasrec_params, int(cfg.get("seed", 0)))
         settings.update(sasrec_checkpoint=str(ckpt), mask_history=True, rerank_model=None,
-                        rerank_data=str(rerank_data), rerank_top_n=10, rerank_batch_size=batch_size, rerank_workers=workers,
+                        rerank_data=str(rerank_data), rerank_top_n=10, rerank_batch_size=batch_size,
+                        rerank_workers=workers,
                         rerank_tau=tau, rerank_commit_rule=commit_rule, rerank_hold_eos=hold_eos,
                         rerank_block_size=ev.get("block_size"),
                         rerank_max_new_tokens=ev.get("max_new_tokens"), show_progress=progress)
