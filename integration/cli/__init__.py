@@ -14,6 +14,7 @@ import sys
 
 from ..config import ConfigError
 from . import data, evaluate, pipeline, research, serve, train
+from .allocator import keep_freed_memory
 from .serve import PASS_THROUGH
 
 # Each group's parser builders (add_<command>), and the order `dgr2 --help` lists the commands in.
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         module, func = PASS_THROUGH[argv[0]]
         return getattr(__import__(module, fromlist=[func]), func)(argv[1:]) or 0
     args = build_parser().parse_args(argv)
+    keep_freed_memory()  # before any heavy library allocates (allocator.py says why)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is noise
