@@ -38,12 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    as_program = argv is None  # the `dgr2` executable, not a caller inside another process
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in PASS_THROUGH:
         module, func = PASS_THROUGH[argv[0]]
         return getattr(__import__(module, fromlist=[func]), func)(argv[1:]) or 0
     args = build_parser().parse_args(argv)
-    keep_freed_memory()  # before any heavy library allocates (allocator.py says why)
+    if as_program:  # a process-wide setting: only for a process that is dgr2 (allocator.py says why)
+        keep_freed_memory()
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is noise
