@@ -11,10 +11,12 @@ Copy files live below the data directory's top level, so adding a draw for a lat
 change the data fingerprint of the stages that ran before it (reranker/stages/pipeline.py hashes
 each copy file a stage reads into that stage's identity instead).
 
-`choose_teacher` / `choose_student` ({average_last: [1, 2, 4], metric: recall@1}): the candidates are
-the last phase's model and the uniform weight averages of the last k phases' models; each is
-evaluated on the held-out selection users (valid.jsonl, never the test split) and the best by
-`metric` (then valid rate, then the fewer members) is what the next stage starts from.
+`choose_teacher` / `choose_student` ({average_last: [1, 2, 4], metric: recall@1, within: 0.01}): the
+candidates are the last phase's model and the uniform weight averages of the last k phases' models;
+each is evaluated on the held-out selection users (valid.jsonl, never the test split) and the best by
+`metric` (then valid rate, then the fewer members) is what the next stage starts from. `within`
+(default 0): candidates whose metric is that close to the best count as tied on it, so the valid
+rate decides among them; set it to what the selection split resolves.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ STAGE_KEYS = ("copy_warmup", "sft", "choose_teacher", "ar_rl", "cft", "choose_st
 COPIES_DIR = "copies"
 COPY_BUILD_KEYS = ("full_prompt", "random_sids", "straight", "lookup", "trace_style", "relabel_last_code",
                    "uniform_pick", "limit", "seed")
-CHOOSE_KEYS = ("average_last", "metric", "limit")
+CHOOSE_KEYS = ("average_last", "metric", "within", "limit")
 MODEL_KEYS = ("size", "base", "qk_norm_gain")
 CHOOSE_METRICS = ("recall@1", "ndcg@3", "valid_rate")
 
@@ -172,7 +174,18 @@ def check_choose(setting, where: str) -> dict:
     metric = setting.get("metric", "recall@1")
     if metric not in CHOOSE_METRICS:
         raise ValueError(f"stages.{where}.metric: expected one of {list(CHOOSE_METRICS)}, got {metric!r}")
-    return {"average_last": sorted(set(ks)), "metric": metric, "limit": setting.get("limit")}
+    within = setting.get("within", 0.0)
+    if isinstance(within, bool) or not isinstance(within, (int, float)) or not 0 <= within < 1:
+        raise ValueError(f"stages.{where}.within: expected a number in [0, 1), got {within!r}")
+    return {"average_last": sorted(set(ks)), "metric": metric, "within": float(within), "limit": setting.get("limit")}
+
+
+def pick_candidate(reports: list[dict], metric: str, within: float = 0.0) -> int:
+    """The index of the chosen report: the highest valid rate among those whose `metric` is within
+    `within` of the best, then the better metric, then the earlier (fewer members)."""
+    top = max(r[metric] for r in reports)
+    tied = [i for i, r in enumerate(reports) if r[metric] >= top - within - 1e-12]
+    return max(tied, key=lambda i: (reports[i]["valid_rate"], reports[i][metric], -i))
 
 
 def choose_on_validation(where: str, setting, runs: list[dict], data_dir: Path, ecfg: dict, out: Path,
@@ -207,10 +220,9 @@ def choose_on_validation(where: str, setting, runs: list[dict], data_dir: Path, 
         candidates.append((f"average of the last {k}", avg))
     ecfg = {**ecfg, "split": "valid", "limit": c["limit"]}
     reps = evaluate_rows([(name, d, decoder) for name, d in candidates], data_dir, ecfg, out / "selection" / where)
-    order = [(r[c["metric"]], r["valid_rate"], -i) for i, r in enumerate(reps)]
-    best = max(range(len(reps)), key=order.__getitem__)
+    best = pick_candidate(reps, c["metric"], c["within"])
     seconds += sum(r.get("wall_seconds") or 0.0 for r in reps if not r.get("same_weights_as"))
-    record = {"metric": c["metric"], "split": "valid", "n": reps[0]["n"], "chosen": candidates[best][0],
+    record = {"metric": c["metric"], "within": c["within"], "split": "valid", "n": reps[0]["n"], "chosen": candidates[best][0],
               "seconds": seconds,
               "model": os.path.relpath(Path(candidates[best][1]).resolve(), out.resolve()),
               "candidates": [{"name": n, "model_sha256": r["model_sha256"],

@@ -214,6 +214,20 @@ def test_copy_draws_and_phases_build_their_own_files(tmp_path):
         check_choose({"average_last": 2}, "choose_student")
     with pytest.raises(ValueError, match=r"choose_teacher.metric: expected one of"):
         check_choose({"metric": "loss"}, "choose_teacher")
+    with pytest.raises(ValueError, match=r"choose_teacher.within: expected a number in \[0, 1\), got 'x'"):
+        check_choose({"within": "x"}, "choose_teacher")
+
+
+def test_pick_candidate_ties_within_the_resolution_go_to_the_valid_rate():
+    from integration.phases import pick_candidate
+
+    reps = [{"recall@1": 0.3405, "valid_rate": 0.9948}, {"recall@1": 0.3364, "valid_rate": 0.9985},
+            {"recall@1": 0.3200, "valid_rate": 1.0}]
+    assert pick_candidate(reps, "recall@1") == 0  # no tolerance: the best metric
+    assert pick_candidate(reps, "recall@1", 0.01) == 1  # 0.3364 is within 0.01: the more valid one
+    assert pick_candidate(reps, "recall@1", 0.05) == 2
+    same = [{"recall@1": 0.3, "valid_rate": 0.99}, {"recall@1": 0.3, "valid_rate": 0.99}]
+    assert pick_candidate(same, "recall@1", 0.01) == 0  # a full tie: the fewer members
 
 
 def test_every_stage_setting_is_checked_before_the_run_starts(config, tmp_path):
