@@ -222,7 +222,8 @@ def choose_on_validation(where: str, setting, runs: list[dict], data_dir: Path, 
     reps = evaluate_rows([(name, d, decoder) for name, d in candidates], data_dir, ecfg, out / "selection" / where)
     best = pick_candidate(reps, c["metric"], c["within"])
     seconds += sum(r.get("wall_seconds") or 0.0 for r in reps if not r.get("same_weights_as"))
-    record = {"metric": c["metric"], "within": c["within"], "split": "valid", "n": reps[0]["n"], "chosen": candidates[best][0],
+    record = {"metric": c["metric"], "within": c["within"], "split": "valid", "n": reps[0]["n"],
+              "chosen": candidates[best][0],
               "seconds": seconds,
               "model": os.path.relpath(Path(candidates[best][1]).resolve(), out.resolve()),
               "candidates": [{"name": n, "model_sha256": r["model_sha256"],

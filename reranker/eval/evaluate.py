@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 from tqdm.auto import tqdm
 
 from candidate_gen.files import read_jsonl
