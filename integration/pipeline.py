@@ -100,8 +100,8 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     init_dir = out / "models" / "init"
     h_init = step_hash("init", h_data, mcfg, seed)
     if not step_done(out / "models" / ".init_done.json", h_init):
-        gain = {"qk_norm_gain": mcfg["qk_norm_gain"]} if "qk_norm_gain" in mcfg else {}  # else init_model's default
-        init_model(data_dir, init_dir, size=mcfg.get("size", "cpu"), base=mcfg.get("base"), seed=seed, **gain)
+        init_model(data_dir, init_dir, size=mcfg.get("size", "cpu"), base=mcfg.get("base"), seed=seed,
+                   qk_norm_gain=mcfg.get("qk_norm_gain"))
         mark_step(out / "models" / ".init_done.json", h_init)
     stages = section(cfg, "stages")
     ecfg = section(cfg, "eval")

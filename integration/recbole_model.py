@@ -58,7 +58,7 @@ class SASRecReranked(SequentialRecommender):
         self.mask_history = bool(_get(config, "mask_history", True))
         self.top_n = int(_get(config, "rerank_top_n", 10))
         self.batch_size = int(_get(config, "rerank_batch_size", 8))
-        from reranker.engine import check_workers
+        from reranker.decoding import check_workers
 
         self.workers = check_workers(_get(config, "rerank_workers", 1), "rerank_workers")
         self.item_tokens = [str(t) for t in dataset.field2id_token[self.ITEM_ID]]

@@ -55,6 +55,14 @@ def check_commit_rule(rule, name="commit rule") -> None:
         raise DecodeSettingError(name, f"must be one of {COMMIT_RULES}, got {rule!r}")
 
 
+def check_workers(workers, name="workers") -> int:
+    """The one check of a decode-worker count (eval, the RecBole model, the service): an int >= 1;
+    `name` is what the error calls it."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {workers!r}")
+    return workers
+
+
 @dataclass
 class DecodeOptions:
     decoder: str = DEFAULT_DECODER

@@ -24,6 +24,7 @@ import torch
 
 from reranker.data.evidence import CoPurchaseCounts, candidates_evidence
 from reranker.decoding import DECODERS, DecodeOptions, recorded_settings, resolve  # noqa: F401 -- re-exported
+from reranker.decoding import check_workers
 from reranker.diffusion.ar_decoder import ar_decode
 from reranker.diffusion.convert import load_diffusion_config
 from reranker.diffusion.diffusion_decoder import diffusion_decode
@@ -61,20 +62,17 @@ def split_reasoning(text: str) -> str:
     return m.group(1).strip() if m else ""
 
 
-def check_workers(workers, name="workers") -> int:
-    """The one check of a decode-worker count (eval, the RecBole model, the service): an int >= 1."""
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {workers!r}")
-    return workers
-
-
 def rerank_batches(engine, batches, options=None, workers: int = 1):
     """engine.rerank(batch, options) for each batch of requests, yielded in order. With workers > 1,
     that many batches decode at once, each on torch's intra-op threads // workers (on a 2-core CPU,
     two workers of one thread decode about 1.9x the lists of one worker of two: docs/EXPERIMENTS.md,
     "Two decode workers of one thread against one worker of two"). The same batches and the same
-    results either way; torch's thread count is restored when the batches are done."""
-    check_workers(workers)
+    results either way; torch's thread count is restored when the batches are done. A bad worker
+    count is an error at the call, before any batch decodes."""
+    return _rerank_batches(engine, batches, options, check_workers(workers))
+
+
+def _rerank_batches(engine, batches, options, workers):
     if workers == 1:
         for batch in batches:
             yield engine.rerank(batch, options)

@@ -17,8 +17,8 @@ CONVERT_RECORDS = ("tau", "commit_rule", "hold_eos", "max_new_tokens", "lookup_d
 def cmd_model_init(args) -> int:
     from reranker.training.init_model import init_model
 
-    gain = {} if args.qk_norm_gain is None else {"qk_norm_gain": args.qk_norm_gain}  # else init_model's default
-    out = init_model(args.data, args.out, size=args.size, base=args.base, seed=args.seed, **gain)
+    out = init_model(args.data, args.out, size=args.size, base=args.base, seed=args.seed,
+                     qk_norm_gain=args.qk_norm_gain)
     print(f"initial model written to {out}")
     return 0
 

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from candidate_gen.files import read_jsonl
 
-from reranker.engine import DecodeOptions, RerankEngine, RerankRequest, check_workers, rerank_batches
+from reranker.engine import DecodeOptions, RerankEngine, RerankRequest, rerank_batches
 from reranker.text.answer import FAILURE_KINDS
 from .metrics import compare, new_ranks, summarize
 
@@ -33,17 +33,16 @@ def evaluate(engine: RerankEngine, examples: list[dict], options: DecodeOptions,
 
     workers: batches decoded at once (reranker.engine.rerank_batches). The same batches either way;
     `decode_seconds` then sums the workers' decode times, `wall_seconds` is the elapsed time."""
-    check_workers(workers)
+    t0 = time.perf_counter()
+    chunks = [examples[b:b + batch_size] for b in range(0, len(examples), batch_size)]
+    decoded = rerank_batches(engine, [[RerankRequest(r["history"], r["candidates"], r.get("scores"), r.get("user"))
+                                       for r in chunk] for chunk in chunks], options, workers)
     perms, outputs = [], []
     failures = {k: 0 for k in FAILURE_KINDS}
     valid = gen_tokens = n_forward = 0
     decode_seconds = row_tokens = 0.0
-    t0 = time.perf_counter()
     bar = tqdm(total=len(examples), desc=f"eval {options.decoder}", unit="ex", disable=not progress)
-    chunks = [examples[b:b + batch_size] for b in range(0, len(examples), batch_size)]
-    batches = [[RerankRequest(r["history"], r["candidates"], r.get("scores"), r.get("user")) for r in chunk]
-               for chunk in chunks]
-    for chunk, results in zip(chunks, rerank_batches(engine, batches, options, workers)):
+    for chunk, results in zip(chunks, decoded):
         decode_seconds += results[0].decode_seconds if results else 0.0
         n_forward += results[0].forward_passes if results else 0
         row_tokens += sum(r.generated_tokens for r in results) / max(len(results), 1)  # mean row length

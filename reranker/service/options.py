@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from ..decoding import DECODERS, DecodeOptions, add_decode_flags, check_recorded
+from ..decoding import DECODERS, DecodeOptions, add_decode_flags, check_recorded, check_workers
 
 # The decode settings a server may set for requests that send none (the rest are the model's).
 SERVER_DECODE_FLAGS = ("decoder", "tau", "commit_rule", "hold_eos", "temperature", "window", "reuse_settled",
@@ -63,8 +63,7 @@ class ServerConfig:
 
     def __post_init__(self):
         self.decoder_max_batch = check_decoder_max_batch(self.decoder_max_batch)
-        if isinstance(self.decode_workers, bool) or not isinstance(self.decode_workers, int) or self.decode_workers < 1:
-            raise ValueError(f"decode_workers must be an int >= 1, got {self.decode_workers!r}")
+        check_workers(self.decode_workers, "decode_workers")
 
 
 def check_decoder_max_batch(caps) -> dict:

@@ -35,10 +35,10 @@ def extend_tokenizer(tok):
 
 
 def init_model(data_dir, out_dir, size: str | dict = "cpu", base: str | None = None, seed: int = 0,
-               qk_norm_gain: float = DEFAULT_QK_NORM_GAIN) -> Path:
-    """qk_norm_gain: the fresh model's initial query/key norm gains (`build_model`); a base
-    checkpoint keeps its own, so it cannot be combined with one."""
-    check_qk_norm_gain(qk_norm_gain, base)
+               qk_norm_gain: float | None = None) -> Path:
+    """qk_norm_gain: the fresh model's initial query/key norm gains (`build_model`; None: its
+    default); a base checkpoint keeps its own, so it cannot be combined with one."""
+    qk_norm_gain = check_qk_norm_gain(DEFAULT_QK_NORM_GAIN if qk_norm_gain is None else qk_norm_gain, base)
     if base:
         if not Path(base).is_dir():
             raise FileNotFoundError(f"--base {base}: not a local model directory (nothing is downloaded)")
