@@ -199,7 +199,9 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     for row in rows[1:]:  # a row's model relative to the run directory: the run can move, `dgr2 release` reads it
         row["model"] = os.path.relpath(Path(row["model"]).resolve(), out.resolve())
     baselines = json.loads(baselines_path.read_text())
-    summary = {"name": cfg.get("name"), "test_users": table[0]["n"] if table else 0,
+    # "test_users" counts the evaluated users of `eval.split` (the test split unless an experiment says otherwise)
+    summary = {"name": cfg.get("name"), "split": section(cfg, "eval").get("split", "test"),
+               "test_users": table[0]["n"] if table else 0,
                "tau": next((r["tau"] for r in table if r.get("decoder") == "diffusion"), None), "block_size": block, "rows": rows,
                "retrieval": {k: retrieval.get(k) for k in
                ("recall@10", "ndcg@10", "recall@10_masked", "ndcg@10_masked", "test_users_target_in_top10")},
@@ -442,7 +444,7 @@ def format_summary(summary: dict) -> str:
     n_base = summary.get("baselines_info", {}).get("test_users")
     baselines = [{"name": n, **b["metrics"]} for n, b in summary.get("baselines", {}).items() if n != "retriever"]
     w = max([22] + [len(r["name"]) for r in rows + baselines])  # the name column fits the longest name
-    lines = [f"language-model rows and the retriever row: {summary.get('test_users')} test users; "
+    lines = [f"language-model rows and the retriever row: {summary.get('test_users')} {summary.get('split', 'test')} users; "
              f"baseline rows (random, co-purchase sorts, learned scorer): all {n_base or '?'} test users",
              f"{'row':{w}s} {'R@1':>7s} {'R@3':>7s} {'NDCG@3':>7s} {'valid':>7s} {'tok/s':>8s} {'speed-up':>8s}"
              f"  R@1 vs AR (95% CI)"]
