@@ -444,7 +444,8 @@ def format_summary(summary: dict) -> str:
     n_base = summary.get("baselines_info", {}).get("test_users")
     baselines = [{"name": n, **b["metrics"]} for n, b in summary.get("baselines", {}).items() if n != "retriever"]
     w = max([22] + [len(r["name"]) for r in rows + baselines])  # the name column fits the longest name
-    lines = [f"language-model rows and the retriever row: {summary.get('test_users')} {summary.get('split', 'test')} users; "
+    users = f"{summary.get('test_users')} {summary.get('split', 'test')} users"
+    lines = [f"language-model rows and the retriever row: {users}; "
              f"baseline rows (random, co-purchase sorts, learned scorer): all {n_base or '?'} test users",
              f"{'row':{w}s} {'R@1':>7s} {'R@3':>7s} {'NDCG@3':>7s} {'valid':>7s} {'tok/s':>8s} {'speed-up':>8s}"
              f"  R@1 vs AR (95% CI)"]
