@@ -174,7 +174,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     label = {"cft": "+CFT", "opd": "+CFT+OPD", "rl": "+CFT+OPD+RL"}
     rows += [(label.get(r["name"], r["name"]), Path(r["output_dir"]), "diffusion") for r in d_runs]
     _step("eval", 6, n_steps, ", ".join(r[0] for r in rows))
-    table = evaluate_rows(rows, data_dir, section(cfg, "eval"), out / "eval")
+    table = evaluate_rows(rows, data_dir, ecfg, out / "eval")
     timings["eval"] = time.time() - t
 
     # 6. Side-by-side speed of the final student over its teacher at batch 1 (a `speed` section).
@@ -183,7 +183,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     if "speed" in cfg and d_runs:
         _step("speed", 7, n_steps, "final student vs AR teacher, batch 1, side by side")
         speed = measure_final_speed(ar_dir, student, data_dir, section(cfg, "speed"),
-                                    section(cfg, "eval"), out / "eval" / "speed.json")
+                                    ecfg, out / "eval" / "speed.json")
         speed.pop("speed_key", None)
     timings["speed"] = time.time() - t
 
@@ -200,7 +200,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
         row["model"] = os.path.relpath(Path(row["model"]).resolve(), out.resolve())
     baselines = json.loads(baselines_path.read_text())
     # "test_users" counts the evaluated users of `eval.split` (the test split unless an experiment says otherwise)
-    summary = {"name": cfg.get("name"), "split": section(cfg, "eval").get("split", "test"),
+    summary = {"name": cfg.get("name"), "split": ecfg.get("split", "test"),
                "test_users": table[0]["n"] if table else 0,
                "tau": next((r["tau"] for r in table if r.get("decoder") == "diffusion"), None), "block_size": block, "rows": rows,
                "retrieval": {k: retrieval.get(k) for k in
