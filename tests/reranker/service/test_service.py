@@ -847,3 +847,21 @@ def test_prometheus_metrics_over_loopback(engine, server):
         m[("dgr2_tokens_per_forward_count", (("decoder", "ar"),))] <= 1.0  # AR: one token per forward
     with pytest.raises(OSError):  # stopped with its server
         scrape(port)
+
+
+def test_a_data_dir_without_its_retrieval_run_names_what_is_missing(dirs, tmp_path):
+    """Copied away from the retrieval run it reads its evidence from, a data directory is refused with
+    the build_info.json field and the missing file, not a bare file-not-found from inside the loader."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(dirs["data"], data)
+    with pytest.raises(FileNotFoundError, match=r"build_info\.json: retrieval_dir '\.\./retrieval' names .*"
+                                                r"sequences\.json, which is missing"):
+        RerankEngine.load(dirs["diffusion"], data)
+    (tmp_path / "retrieval").mkdir()
+    shutil.copy(dirs["root"] / "retrieval" / "sequences.json", tmp_path / "retrieval")
+    with pytest.raises(FileNotFoundError, match=r"items_path '\.\./items\.item' names .*items\.item, which is missing"):
+        RerankEngine.load(dirs["diffusion"], data)
+    shutil.copy(dirs["root"] / "items.item", tmp_path / "items.item")
+    assert RerankEngine.load(dirs["diffusion"], data).known(ITEMS[0])
