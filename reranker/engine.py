@@ -156,17 +156,17 @@ class RerankEngine:
                 raise ValueError(f"{data_dir / 'build_info.json'}: evidence_files lacks {missing}")
             return (CoPurchaseCounts.load(data_dir / files["copurchase"]),
                     load_item_catalog(data_dir / files["item_fields"]))
-        retrieval_dir = (data_dir / info["retrieval_dir"]).resolve()
+        sequences = (data_dir / info["retrieval_dir"]).resolve() / "sequences.json"
         items_path = (data_dir / info["items_path"]).resolve()
         # A data directory built by `dgr2 data build` reads its evidence from the retrieval run beside it;
         # copied or moved alone, it has none (a release bundle carries its own: evidence_files above).
-        for key, path in (("retrieval_dir", retrieval_dir / "sequences.json"), ("items_path", items_path)):
+        for key, path in (("retrieval_dir", sequences), ("items_path", items_path)):
             if not path.is_file():
                 raise FileNotFoundError(
                     f"{data_dir / 'build_info.json'}: {key} {info[key]!r} names {path}, which is missing; a data "
                     f"directory reads its evidence from the retrieval run it was built from, so move them "
                     f"together (or serve a release bundle, `dgr2 release`, which carries its own)")
-        seqs = json.loads((retrieval_dir / "sequences.json").read_text())
+        seqs = json.loads(sequences.read_text())
         copurchase = CoPurchaseCounts.fit(train_sequences(seqs),
                                           window=int((info.get("copurchase") or {}).get("window", 1)))
         return copurchase, item_meta_lookup(load_items(items_path).to_frame())
