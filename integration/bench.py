@@ -171,11 +171,14 @@ def retrieval_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
 def baselines_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
     """docs/results/rerank-baselines-<name>.json (reranker.eval.baselines.run_baselines).
 
-    Schema: {"test_users", "n_candidates", "n_boot", "methods" (required): {<method>: {"metrics":
-    {"recall@1", "recall@3", "ndcg@3", "ndcg@5"}, "vs_retriever": {<metric>: {"diff", "ci_low",
-    "ci_high"}} | null}}}. Cells: value (difference vs the retriever order [95% paired bootstrap CI]).
+    Schema: {"test_users" (or "split" and "users"), "n_candidates", "n_boot", "methods" (required):
+    {<method>: {"metrics": {"recall@1", "recall@3", "ndcg@3", "ndcg@5"}, "vs_retriever": {<metric>:
+    {"diff", "ci_low", "ci_high"}} | null}}}. Cells: value (difference vs the retriever order [95%
+    paired bootstrap CI]).
     """
-    out = [f"### {name}", "", f"{_fmt(r.get('test_users'))} test users, {_fmt(r.get('n_candidates'))} candidates "
+    users = (f"{_fmt(r.get('test_users'))} test users" if "test_users" in r else
+             f"{_fmt(r.get('users'))} {r.get('split', '?')} lists")
+    out = [f"### {name}", "", f"{users}, {_fmt(r.get('n_candidates'))} candidates "
            f"each; value (difference vs retriever [95% CI]). " + provenance(r), "",
            "| method | " + " | ".join(LABELS[m] for m in METRICS) + " |", "|---|" + "---|" * len(METRICS)]
     for method, m in r["methods"].items():

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from reranker.data.teachers.traces import RULE_LABEL_STYLES
+
 from ..config import load_config, retrieval_settings, section
 from .common import data_paths, json_arg, save_results
 
@@ -84,12 +86,12 @@ def add_data(sub) -> None:
     dr = dsub.add_parser("retrace", help="a copy of a built data dir with its traces rewritten in another style")
     dr.add_argument("--data", required=True, help="re-ranking data directory (dgr2 data build)")
     dr.add_argument("--out", required=True, help="new data directory (SIDs, tokenizer and scorer are copied)")
-    dr.add_argument("--style", default="brief", choices=["brief", "scan", "scan_recent", "scan_brand"],
+    dr.add_argument("--style", default="brief", choices=("brief",) + RULE_LABEL_STYLES,
                     help="brief: the decision sentence alone, same rankings; scan: a co-purchase scan "
                     "then the decision, rankings replaced by the scan's pick first; scan_recent: the same over "
                     "the counts after the last 3 items; scan_brand: scan_recent with "
-                    "same-brand history counts breaking ties (see "
-                    "reranker/data/teachers/traces.py brief_trace, scan_trace)")
+                    "same-brand history counts breaking ties; '_top3': the scan orders its best 3 (see "
+                    "reranker/data/teachers/traces.py brief_trace, scan_trace, top_scan)")
     dr.set_defaults(func=cmd_data_retrace)
     dc = dsub.add_parser("copy-warmup", help="copy warm-up examples (copy_warmup.jsonl) from a built data dir")
     dc.add_argument("--data", required=True, help="re-ranking data directory (dgr2 data build)")
@@ -109,7 +111,7 @@ def add_data(sub) -> None:
                     help="relabel every SID at random: the model must copy, it cannot recall the catalogue")
     dc.add_argument("--relabel-last-code", action="store_true",
                     help="with --random-sids: draw the dedup (last) code too, so rare dedup tokens get copied")
-    dc.add_argument("--trace-style", choices=["scan", "scan_recent", "scan_brand"],
+    dc.add_argument("--trace-style", choices=RULE_LABEL_STYLES,
                     help="answer each real prompt with this rule-scan trace and pick (as retrace does) "
                     "instead of the 'put #k first' copy task")
     dc.add_argument("--uniform-pick", action="store_true",

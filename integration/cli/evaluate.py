@@ -48,7 +48,7 @@ def cmd_baselines(args) -> int:
 
     cfg = load_config(args.config)
     _, _, data_dir = data_paths(cfg, None)
-    res = run_baselines(args.data_dir or data_dir, seed=int(cfg.get("seed", 0)))
+    res = run_baselines(args.data_dir or data_dir, seed=int(cfg.get("seed", 0)), split=args.split)
     print(baselines_table(res))
     return save_results(args.results, res)
 
@@ -128,6 +128,10 @@ def add_baselines(sub) -> None:
     bl = sub.add_parser("baselines", help="retriever order, random, co-purchase sorts (last item; last 3 items then brand), learned scorer (with CIs)")
     bl.add_argument("--config", required=True)
     bl.add_argument("--data-dir", help="re-ranking data directory (default <out>/rerank_data)")
+    bl.add_argument("--split", default="test",
+                    help="test: the test users (the published baselines); valid: the selection users' "
+                    "validation lists, the learned scorer cross-fitted over two halves of them (for choices "
+                    "that must not read the test split)")
     bl.add_argument("--results", help="write the result to this docs/results JSON file")
     bl.set_defaults(func=cmd_baselines)
 

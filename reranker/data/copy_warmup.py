@@ -238,7 +238,7 @@ def build_copy_warmup(data_dir, out_name: str = "copy_warmup.jsonl", seed: int =
     files belong outside the data dir, whose fingerprint covers every top-level JSONL file).
     straight: write that many `straight_copy_lists` records instead (no source lists are read).
     lookup: write that many `lookup_copy_lists` records instead (no source lists are read).
-    trace_style: a rule-scan style ("scan", "scan_recent", "scan_brand"): keep each real prompt and
+    trace_style: a rule-scan style ("scan", "scan_recent", "scan_brand", each also "_top3"): keep each real prompt and
     answer it with that style's trace and pick (`scan_copy_example`) instead of "put #k first".
     relabel_last_code: with random_sids, draw the dedup code too, uniformly over the data's own
     last codebook (sids.json), so rare dedup tokens are copied as often as common ones.

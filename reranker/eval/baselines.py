@@ -8,6 +8,8 @@
   history items, then the same-brand history count, compared in that order (lexicographic), ties by
   retriever order. Its head is the pick of the "scan_brand" trace (reranker/data/retrace.py), so it is
   the rule a model trained on those traces follows, applied without the LM;
+* copurchase_recent_brand_pick: that sort's head, the rest in retriever order: exactly the answer the
+  "scan_brand" trace writes (the whole sort is what its "_top3" variant approaches);
 * learned_scorer: LightGBM (lambdarank) on the same features, no LM, fitted here on every list made at
   a validation position outside the test split: the train split's `source: valid` lists and the
   valid split. Those come from the retriever and position the test lists come from (on Beauty, fitted
@@ -17,13 +19,20 @@
   alone, which a large selection split leaves with few validation-position lists (480 on Beauty:
   test R@1 0.312), so it is not the baseline.
 
-Each gets Recall@1/@3 and NDCG@3/@5 and a paired bootstrap 95% CI of its difference with the
-retriever order (same users). ``run_baselines`` returns a dict for
+Each gets Recall@1/@3 and NDCG@3/@5 and paired bootstrap 95% CIs of its differences with the
+retriever order and with the learned scorer (same users).
+
+``split="valid"`` measures the same baselines on the selection users' validation lists instead, so
+choices can be weighed against them without reading the test split: there the learned scorer is
+cross-fitted over two halves of those users (each half scored by a scorer fitted without it), so it
+learns from about half the selection lists the test baseline's scorer has. ``run_baselines`` returns a dict for
 docs/results/rerank-baselines-<name>.json (``save_baselines``); ``baselines_table`` renders it as Markdown.
 """
 from __future__ import annotations
 
+import functools
 import json
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -54,14 +63,16 @@ def _order_lexicographic(rows: np.ndarray) -> list[int]:
 
 
 # Baseline results carry this; a stored baselines.json of another version is recomputed.
-BASELINES_VERSION = 2
+BASELINES_VERSION = 3
+SPLITS = ("test", "valid")
+VALID_FOLDS = 2  # user halves the validation split's learned scorer is cross-fitted over
 
 
-def fit_learned_scorer(data_dir: Path, ctx: FeatureContext) -> LtrScorer | None:
-    """The learned-scorer baseline (module docstring); None when fewer than two such lists have
-    their target among the candidates."""
+def fit_learned_scorer(data_dir: Path, ctx: FeatureContext, exclude_users=frozenset()) -> LtrScorer | None:
+    """The learned-scorer baseline (module docstring), fitted without ``exclude_users``' lists; None
+    when fewer than two such lists have their target among the candidates."""
     rows = [r for r in load_split(data_dir, "train") if r.get("source") == "valid"] + load_split(data_dir, "valid")
-    rows = [r for r in rows if r.get("target") in r["candidates"]]
+    rows = [r for r in rows if r.get("target") in r["candidates"] and r["user"] not in exclude_users]
     if len(rows) < 2:
         return None
     saved = data_dir / "scorer" / "scorer.json"
@@ -86,12 +97,33 @@ def _resolve_inputs(data_dir: Path, retrieval_dir, items_path):
             Path(items_path) if items_path is not None else data_dir / info["items_path"])
 
 
-def baseline_permutations(rows, ctx: FeatureContext, scorer: LtrScorer | None, seed: int = 0) -> dict[str, list[list[int]]]:
-    X, groups = ctx.featurize(rows, desc="test features")
+class UserFoldScorers:
+    """Learned scorers each fitted without one fold of users; a list is scored by its own fold's."""
+
+    def __init__(self, scorers: dict[int, LtrScorer], fold_of):
+        self.scorers, self.fold_of = scorers, fold_of
+
+    def predict_rows(self, X: np.ndarray, rows, offsets: np.ndarray) -> np.ndarray:
+        out = np.empty(len(X), dtype=np.float64)
+        for i, row in enumerate(rows):
+            a, b = offsets[i], offsets[i + 1]
+            out[a:b] = self.scorers[self.fold_of(row["user"])].predict(X[a:b])
+        return out
+
+
+def user_fold(user: str, folds: int, seed: int) -> int:
+    """A user's fold: a seeded hash, so it does not depend on which lists are loaded."""
+    return zlib.crc32(f"{seed}:{user}".encode()) % folds
+
+
+def baseline_permutations(rows, ctx: FeatureContext, scorer: LtrScorer | UserFoldScorers | None,
+                          seed: int = 0) -> dict[str, list[list[int]]]:
+    X, groups = ctx.featurize(rows, desc="baseline features")
     offsets = np.concatenate([[0], np.cumsum(groups)]).astype(int)
-    scores = scorer.predict(X) if scorer is not None else None
+    scores = (None if scorer is None else scorer.predict_rows(X, rows, offsets)
+              if isinstance(scorer, UserFoldScorers) else scorer.predict(X))
     perms: dict[str, list[list[int]]] = {"retriever": [], "random": [], "copurchase_last": [],
-                                         "copurchase_recent_brand": []}
+                                         "copurchase_recent_brand": [], "copurchase_recent_brand_pick": []}
     if scorer is not None:
         perms["learned_scorer"] = []
     rng = np.random.default_rng([int(seed), 17])
@@ -101,32 +133,42 @@ def baseline_permutations(rows, ctx: FeatureContext, scorer: LtrScorer | None, s
         perms["retriever"].append(list(range(n)))
         perms["random"].append([int(j) for j in rng.permutation(n)])
         perms["copurchase_last"].append(_order_by(X[a:b, _CP_LAST]))
-        perms["copurchase_recent_brand"].append(_order_lexicographic(X[a:b][:, _RECENT_BRAND]))
+        rule = _order_lexicographic(X[a:b][:, _RECENT_BRAND])
+        perms["copurchase_recent_brand"].append(rule)
+        perms["copurchase_recent_brand_pick"].append([rule[0]] + [j for j in range(n) if j != rule[0]])
         if scorer is not None:
             perms["learned_scorer"].append(_order_by(scores[a:b]))
     return perms
 
 
-def test_permutations(data_dir, retrieval_dir=None, items_path=None, seed: int = 0):
-    """(test rows, {baseline name: permutation per row}) for ``data_dir``/test.jsonl."""
+def split_permutations(data_dir, retrieval_dir=None, items_path=None, seed: int = 0, split: str = "test"):
+    """(rows, {baseline name: permutation per row}) for ``data_dir``/<split>.jsonl (test or valid)."""
+    if split not in SPLITS:
+        raise ValueError(f"baselines are measured on {' or '.join(SPLITS)}, got split {split!r}")
     data_dir = Path(data_dir)
     retrieval_dir, items_path = _resolve_inputs(data_dir, retrieval_dir, items_path)
-    rows = load_split(data_dir, "test")
+    rows = load_split(data_dir, split)
     if not rows:
-        raise ValueError(f"{data_dir / 'test.jsonl'}: no test examples")
+        raise ValueError(f"{data_dir / f'{split}.jsonl'}: no examples")
     for k, r in enumerate(rows, start=1):
         if not isinstance(r.get("target_index"), int):
-            raise ValueError(f"{data_dir / 'test.jsonl'}:{k}: field 'target_index': expected an int, "
+            raise ValueError(f"{data_dir / f'{split}.jsonl'}:{k}: field 'target_index': expected an int, "
                              f"got {r.get('target_index')!r}")
     seqs, _ = load_retrieval(retrieval_dir)
     ctx = FeatureContext(train_sequences(seqs), item_meta_lookup(load_items(items_path).to_frame()))
-    scorer = fit_learned_scorer(data_dir, ctx)
+    if split == "test":
+        scorer = fit_learned_scorer(data_dir, ctx)
+    else:  # each half of the selection users scored by a scorer that never saw it
+        fold_of = functools.partial(user_fold, folds=VALID_FOLDS, seed=seed)
+        halves = {f: {r["user"] for r in rows if fold_of(r["user"]) == f} for f in range(VALID_FOLDS)}
+        scorers = {f: fit_learned_scorer(data_dir, ctx, exclude_users=users) for f, users in halves.items()}
+        scorer = None if None in scorers.values() else UserFoldScorers(scorers, fold_of)
     return rows, baseline_permutations(rows, ctx, scorer, seed)
 
 
 def baseline_ranks(data_dir, retrieval_dir=None, items_path=None, seed: int = 0) -> dict[str, np.ndarray]:
-    """Per-user 0-based rank of the target under every baseline (for paired comparisons)."""
-    return _target_ranks(*test_permutations(data_dir, retrieval_dir, items_path, seed))
+    """Per-user 0-based rank of the target under every baseline on the test split (paired comparisons)."""
+    return _target_ranks(*split_permutations(data_dir, retrieval_dir, items_path, seed))
 
 
 def _target_ranks(rows, perms) -> dict[str, np.ndarray]:
@@ -134,15 +176,21 @@ def _target_ranks(rows, perms) -> dict[str, np.ndarray]:
     return {name: new_ranks(p, targets) for name, p in perms.items()}
 
 
-def run_baselines(data_dir, retrieval_dir=None, items_path=None, n_boot: int = 2000, seed: int = 0) -> dict:
-    """Baselines on ``data_dir``/test.jsonl (built by reranker.data.dataset.build_rerank_data)."""
-    rows, perms = test_permutations(data_dir, retrieval_dir, items_path, seed)
+def run_baselines(data_dir, retrieval_dir=None, items_path=None, n_boot: int = 2000, seed: int = 0,
+                  split: str = "test") -> dict:
+    """Baselines on ``data_dir``/<split>.jsonl (built by reranker.data.dataset.build_rerank_data)."""
+    rows, perms = split_permutations(data_dir, retrieval_dir, items_path, seed, split)
     ranks = _target_ranks(rows, perms)
     floor = ranks["retriever"]
+    scorer = ranks.get("learned_scorer")
     methods = {name: {"metrics": summarize(r),
-                      "vs_retriever": compare(floor, r, n_boot=n_boot, seed=seed) if name != "retriever" else None}
+                      "vs_retriever": compare(floor, r, n_boot=n_boot, seed=seed) if name != "retriever" else None,
+                      # what a re-ranker must beat to be worth its cost (issue: at or above the scorer)
+                      "vs_learned_scorer": (compare(scorer, r, n_boot=n_boot, seed=seed)
+                                            if scorer is not None and name != "learned_scorer" else None)}
                for name, r in ranks.items()}
-    return {"version": BASELINES_VERSION, "test_users": len(rows), "n_candidates": len(rows[0]["candidates"]),
+    users = {"test_users": len(rows)} if split == "test" else {"split": split, "users": len(rows)}
+    return {"version": BASELINES_VERSION, **users, "n_candidates": len(rows[0]["candidates"]),
             "n_boot": n_boot, "seed": seed, "methods": methods}
 
 

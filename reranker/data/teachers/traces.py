@@ -195,6 +195,10 @@ def brief_trace(first_sid: str, first: int, why: str, rest: str) -> str:
     return f"#{first + 1}.{first_sid} first ({why}), then {rest}."
 
 
+RULE_SCANS = ("scan", "scan_recent", "scan_brand")  # what each compares: `retrace` (module docstring)
+TOP_SCAN = "_top3"  # a rule scan with this suffix orders its best 3, not only its pick (`top_scan`)
+# The styles whose ranking is a rule of the prompt's evidence, not the teacher's.
+RULE_LABEL_STYLES = RULE_SCANS + tuple(style + TOP_SCAN for style in RULE_SCANS)
 SCAN_HEADS = {"last": "After the last item:", "recent": "After the last items, newest first:",
               "recent_brand": "After the last items, newest first, then brand:"}
 
@@ -242,18 +246,56 @@ def copurchase_scan(counts: Sequence, head: str = SCAN_HEADS["last"],
     return f"{head} {' '.join(parts)}.", best
 
 
+def top_scan(counts: Sequence, head: str, brands: Sequence[int] | None = None,
+             top: int = 3) -> tuple[str, list[int]]:
+    """The scan line of the "_top3" styles and the ``top`` candidates it ranks first.
+
+    Like `copurchase_scan`, but the running best is a running list of the best ``top`` so far,
+    written after each candidate that enters it: "#1 2/0 [1] #2 1/1 [1 2] #3 0/0 [1 2 3] #4 1/2
+    [1 4 2]". Each step is a copy and at most ``top`` comparisons with keys written earlier in the
+    line, so the head of the answer (what NDCG@3 scores) is ordered without an argmax over the
+    prompt. Ties keep retriever order, so the list equals a stable descending sort's first ``top``.
+    """
+    if not len(counts):
+        raise ValueError("top_scan needs at least one candidate")
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise ValueError(f"top must be a whole number >= 1, got {top!r}")
+    if brands is not None and len(brands) != len(counts):
+        raise ValueError(f"{len(counts)} co-purchase counts but {len(brands)} brand counts")
+    texts = ["/".join(map(str, _count_key(c))) for c in counts]
+    if brands is not None:
+        texts = [f"{t} b{int(b)}" for t, b in zip(texts, brands)]
+    keys = scan_keys(counts, brands)
+    best: list[int] = []
+    parts = []
+    for k, key in enumerate(keys):
+        at = next((i for i, j in enumerate(best) if key > keys[j]), len(best))
+        entered = at < top
+        if entered:
+            best = (best[:at] + [k] + best[at:])[:top]
+        shown = " [" + " ".join(str(j + 1) for j in best) + "]" if entered else ""
+        parts.append(f"#{k + 1} {texts[k]}{shown}")
+    return f"{head} {' '.join(parts)}.", best
+
+
 def scan_trace(candidate_sids: Sequence[str], counts: Sequence, head: str = SCAN_HEADS["last"],
-               brands: Sequence[int] | None = None) -> tuple[str, list[int]]:
+               brands: Sequence[int] | None = None, top: int = 1) -> tuple[str, list[int]]:
     """(trace, ranking) of the "scan" style: the co-purchase scan line, then the brief decision.
 
-    The ranking is the scan's pick first, the rest in retriever order: the trace and the answer are
-    one deterministic function of the prompt's evidence (with single counts after the last item,
-    the co-purchase-after-last rule's head).
+    The ranking is the scan's pick first (with ``top`` > 1, the scan's best ``top`` in order), the
+    rest in retriever order: the trace and the answer are one deterministic function of the
+    prompt's evidence (with single counts after the last item, the co-purchase-after-last rule's
+    head).
     """
     if len(candidate_sids) != len(counts):
         raise ValueError(f"{len(candidate_sids)} candidates but {len(counts)} co-purchase counts")
-    line, first = copurchase_scan(counts, head, brands)
-    ranking = [first] + [j for j in range(len(candidate_sids)) if j != first]
+    if top == 1:
+        line, first = copurchase_scan(counts, head, brands)
+        picked = [first]
+    else:
+        line, picked = top_scan(counts, head, brands, top)
+        first = picked[0]
+    ranking = picked + [j for j in range(len(candidate_sids)) if j not in picked]
     key = _count_key(counts[first])
     why = ("strongest co-purchase after the last item" if key[0] > 0 else
            "co-bought after recent items" if any(key) else

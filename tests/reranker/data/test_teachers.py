@@ -341,6 +341,57 @@ def test_copurchase_scan_marks_each_new_best_and_picks_the_first_largest():
         copurchase_scan([0, 0, 0, 0], brands=[1, 2, 3])
 
 
+def test_top_scan_keeps_a_running_best_three_equal_to_a_stable_sort():
+    from reranker.data.teachers.traces import scan_trace, top_scan
+
+    line, best = top_scan([(2, 0), (1, 1), (0, 0), (1, 2), (1, 1)], "H:")
+    # #4 enters between #1 and #2; #5 ties #2 and keeps below it (retriever order breaks ties)
+    assert line == "H: #1 2/0 [1] #2 1/1 [1 2] #3 0/0 [1 2 3] #4 1/2 [1 4 2] #5 1/1."
+    assert best == [0, 3, 1]
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 12)
+        counts = [tuple(rng.randint(0, 2) for _ in range(3)) for _ in range(n)]
+        brands = [rng.randint(0, 2) for _ in range(n)]
+        keys = [c + (b,) for c, b in zip(counts, brands)]
+        expected = sorted(range(n), key=lambda j: keys[j], reverse=True)  # stable: ties keep order
+        line, best = top_scan(counts, "H:", brands)
+        assert best == expected[:3]
+        # the list written last on the line is the answer's head, numbered from 1
+        assert line.rsplit("[", 1)[1].split("]")[0].split() == [str(j + 1) for j in best]
+        sids = [f"<s{i}>" for i in range(n)]
+        trace, ranking = scan_trace(sids, counts, "H:", brands, top=3)
+        assert ranking[:3] == expected[:3] and sorted(ranking) == list(range(n))
+        assert ranking[3:] == sorted(ranking[3:])
+        assert trace.splitlines()[1].startswith(f"#{best[0] + 1}.<s{best[0]}> first (")
+    sids = [f"<s{i}>" for i in range(5)]
+    trace, ranking = scan_trace(sids, [0, 3, 0, 5, 1], top=3)
+    assert ranking == [3, 1, 4, 0, 2]
+    assert trace.splitlines()[1].endswith("first (strongest co-purchase after the last item), then #2, #5, "
+                                          "then the rest in retriever order.")
+    with pytest.raises(ValueError, match="top must be"):
+        top_scan([1, 2], "H:", top=0)
+    with pytest.raises(ValueError, match="at least one"):
+        top_scan([], "H:")
+
+
+def test_top3_styles_retrace_a_prompt_with_the_same_pick_and_an_ordered_head(world):
+    from reranker.data.retrace import RULE_LABEL_STYLES, rule_keys, rule_scan
+    from reranker.text.prompt import render_prompt_messages
+
+    assert {"scan_top3", "scan_recent_top3", "scan_brand_top3"} <= set(RULE_LABEL_STYLES)
+    e = world["examples"][0]
+    text = render_prompt_messages(e.history, e.candidates, world["sids"], world["meta"], e.evidence)[1]["content"]
+    for style in ("scan", "scan_recent", "scan_brand"):
+        trace1, ranking1 = rule_scan(text, e.candidate_sids, style)
+        trace3, ranking3 = rule_scan(text, e.candidate_sids, style + "_top3")
+        keys = rule_keys(text, len(e.candidate_sids), style)
+        assert rule_keys(text, len(e.candidate_sids), style + "_top3") == keys
+        assert ranking3[0] == ranking1[0]
+        assert ranking3[:3] == sorted(range(len(keys)), key=lambda j: keys[j], reverse=True)[:3]
+        assert "; best 3 so far:" in trace3.splitlines()[0] and "best 3" not in trace1
+
+
 def test_candidate_evidence_parses_back_from_a_rendered_prompt(world):
     from reranker.text.prompt import parse_candidate_evidence, render_prompt_messages
 

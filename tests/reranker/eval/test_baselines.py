@@ -74,8 +74,9 @@ def built(tmp_path_factory):
 def test_baselines_on_known_answers(built):
     data, r, items = built
     res = run_baselines(data, r, items, n_boot=300)
-    assert res["test_users"] == N_USERS and set(res["methods"]) == {"retriever", "random", "copurchase_last",
-                                                                     "copurchase_recent_brand", "learned_scorer"}
+    assert res["test_users"] == N_USERS and set(res["methods"]) == {
+        "retriever", "random", "copurchase_last", "copurchase_recent_brand", "copurchase_recent_brand_pick",
+        "learned_scorer"}
     floor = res["methods"]["retriever"]
     assert floor["vs_retriever"] is None
     assert floor["metrics"]["recall@1"] == 0 and floor["metrics"]["recall@3"] == 0
@@ -88,7 +89,7 @@ def test_baselines_on_known_answers(built):
     assert 0.0 < res["methods"]["random"]["metrics"]["recall@1"] < 0.3
     json.dumps(res)  # the results file must serialise
     table = baselines_table(res)
-    assert table.count("\n") == 7 and "| copurchase_last |" in table and "[+" in table
+    assert table.count("\n") == 8 and "| copurchase_last |" in table and "[+" in table
 
 
 def test_baselines_are_seeded_and_paths_come_from_build_info(built):
@@ -117,6 +118,37 @@ def test_learned_scorer_is_fitted_on_every_validation_position_list_outside_test
     assert scorer.info["config"]["n_estimators"] == saved["n_estimators"] == 60  # the build's settings
 
 
+def test_valid_split_baselines_cross_fit_the_scorer_over_user_halves(built):
+    """On the validation lists no list is scored by a scorer that was fitted on it: each half of
+    the selection users is scored by the scorer fitted without that half."""
+    from candidate_gen.split import train_sequences
+    from reranker.data.dataset import load_split
+    from reranker.data.features import FeatureContext
+    from reranker.eval.baselines import VALID_FOLDS, fit_learned_scorer, split_permutations, user_fold
+
+    data, r, items = built
+    res = run_baselines(data, n_boot=200, split="valid")
+    valid = load_split(data, "valid")
+    assert res["split"] == "valid" and res["users"] == len(valid) and "test_users" not in res
+    assert res["methods"]["learned_scorer"]["metrics"]["recall@1"] > 0.5
+    assert res["methods"]["learned_scorer"]["vs_learned_scorer"] is None
+    d = res["methods"]["retriever"]["vs_learned_scorer"]["recall@1"]
+    m = {k: res["methods"][k]["metrics"]["recall@1"] for k in ("retriever", "learned_scorer")}
+    assert d["diff"] == pytest.approx(m["retriever"] - m["learned_scorer"]) and d["ci_low"] <= d["diff"] <= d["ci_high"]
+    rows, perms = split_permutations(data, seed=0, split="valid")
+    assert [row["user"] for row in rows] == [row["user"] for row in valid]
+    halves = [{row["user"] for row in valid if user_fold(row["user"], VALID_FOLDS, 0) == f} for f in range(2)]
+    assert all(halves) and not halves[0] & halves[1]
+    ctx = FeatureContext(train_sequences(json.loads((r / "sequences.json").read_text())), {})
+    full = fit_learned_scorer(data, ctx).info["baseline_lists"]
+    assert fit_learned_scorer(data, ctx, exclude_users=halves[0]).info["baseline_lists"] == full - len(halves[0])
+    # the rule's pick first, the rest in retriever order
+    for rule, pick in zip(perms["copurchase_recent_brand"], perms["copurchase_recent_brand_pick"]):
+        assert pick == [rule[0]] + [j for j in range(len(rule)) if j != rule[0]]
+    with pytest.raises(ValueError, match="test or valid, got split 'train'"):
+        run_baselines(data, split="train")
+
+
 def test_copurchase_sort_breaks_ties_by_retriever_order(built):
     from candidate_gen.split import train_sequences
     from reranker.data.features import FeatureContext
@@ -127,5 +159,5 @@ def test_copurchase_sort_breaks_ties_by_retriever_order(built):
     row = {"user": "nobody", "history": ["zz"], "candidates": ["a", "b", "c"], "scores": [3, 2, 1]}
     perms = baseline_permutations([row], ctx, None)
     assert perms["copurchase_last"] == [[0, 1, 2]] and perms["retriever"] == [[0, 1, 2]]
-    assert perms["copurchase_recent_brand"] == [[0, 1, 2]]
+    assert perms["copurchase_recent_brand"] == perms["copurchase_recent_brand_pick"] == [[0, 1, 2]]
     assert "learned_scorer" not in perms
