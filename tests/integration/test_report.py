@@ -27,7 +27,7 @@ def test_ar_report_compares_with_every_baseline_on_the_same_users(built, tmp_pat
     data, _, _ = built
     base = baseline_ranks(data)
     assert set(base) == {"retriever", "random", "copurchase_last", "copurchase_recent_brand",
-                         "learned_scorer"}
+                         "copurchase_recent_brand_pick", "learned_scorer"}
     assert (base["retriever"] == TEST_RANK).all()
     perfect = _eval(tmp_path, "ar", np.zeros(N_USERS, int))
     before = _eval(tmp_path, "sft", base["copurchase_last"])
