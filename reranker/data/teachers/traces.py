@@ -214,6 +214,18 @@ def scan_keys(counts: Sequence, brands: Sequence[int] | None = None) -> list[tup
     return keys if brands is None else [key + (int(b),) for key, b in zip(keys, brands)]
 
 
+def _scan_entries(counts: Sequence, brands: Sequence[int] | None, caller: str) -> tuple[list[str], list[tuple]]:
+    """(what a scan writes for each candidate, "2/0/1 b3"; what it compares), checked."""
+    if not len(counts):
+        raise ValueError(f"{caller} needs at least one candidate")
+    if brands is not None and len(brands) != len(counts):
+        raise ValueError(f"{len(counts)} co-purchase counts but {len(brands)} brand counts")
+    texts = ["/".join(map(str, _count_key(c))) for c in counts]
+    if brands is not None:
+        texts = [f"{t} b{int(b)}" for t, b in zip(texts, brands)]
+    return texts, scan_keys(counts, brands)
+
+
 def copurchase_scan(counts: Sequence, head: str = SCAN_HEADS["last"],
                     brands: Sequence[int] | None = None) -> tuple[str, int]:
     """The "scan" trace's evidence line and the candidate it picks.
@@ -229,14 +241,7 @@ def copurchase_scan(counts: Sequence, head: str = SCAN_HEADS["last"],
     ``brands`` (each candidate's same-brand history count) breaks ties of the counts: it is written
     after them as "b2" and compared last, so "#1 0/0 b2+" beats "#2 0/0 b0".
     """
-    if not len(counts):
-        raise ValueError("copurchase_scan needs at least one candidate")
-    if brands is not None and len(brands) != len(counts):
-        raise ValueError(f"{len(counts)} co-purchase counts but {len(brands)} brand counts")
-    texts = ["/".join(map(str, _count_key(c))) for c in counts]
-    if brands is not None:
-        texts = [f"{t} b{int(b)}" for t, b in zip(texts, brands)]
-    keys = scan_keys(counts, brands)
+    texts, keys = _scan_entries(counts, brands, "copurchase_scan")
     best, parts = 0, []
     for k, key in enumerate(keys):
         beats = k == 0 or key > keys[best]
@@ -256,16 +261,9 @@ def top_scan(counts: Sequence, head: str, brands: Sequence[int] | None = None,
     line, so the head of the answer (what NDCG@3 scores) is ordered without an argmax over the
     prompt. Ties keep retriever order, so the list equals a stable descending sort's first ``top``.
     """
-    if not len(counts):
-        raise ValueError("top_scan needs at least one candidate")
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:
         raise ValueError(f"top must be a whole number >= 1, got {top!r}")
-    if brands is not None and len(brands) != len(counts):
-        raise ValueError(f"{len(counts)} co-purchase counts but {len(brands)} brand counts")
-    texts = ["/".join(map(str, _count_key(c))) for c in counts]
-    if brands is not None:
-        texts = [f"{t} b{int(b)}" for t, b in zip(texts, brands)]
-    keys = scan_keys(counts, brands)
+    texts, keys = _scan_entries(counts, brands, "top_scan")
     best: list[int] = []
     parts = []
     for k, key in enumerate(keys):
