@@ -25,8 +25,10 @@ retriever order and with the learned scorer (same users).
 ``split="valid"`` measures the same baselines on the selection users' validation lists instead, so
 choices can be weighed against them without reading the test split: there the learned scorer is
 cross-fitted over two halves of those users (each half scored by a scorer fitted without it), so it
-learns from about half the selection lists the test baseline's scorer has. ``run_baselines`` returns a dict for
-docs/results/rerank-baselines-<name>.json (``save_baselines``); ``baselines_table`` renders it as Markdown.
+learns from half of the selection lists the test baseline's scorer learns from.
+
+``run_baselines`` returns a dict for docs/results/rerank-baselines-<name>.json (``save_baselines``);
+``baselines_table`` renders it as Markdown.
 """
 from __future__ import annotations
 
