@@ -299,7 +299,14 @@ def scan_trace(candidate_sids: Sequence[str], counts: Sequence, head: str = SCAN
            "co-bought after recent items" if any(key) else
            "same brand as the history" if brands is not None and brands[first] > 0 else
            "the retriever's top choice")
-    return f"{line}\n{brief_trace(candidate_sids[first], first, why, rest_text(ranking))}", ranking
+    # The top scans name their second and third with SIDs too ("then #2.<sid>, #4.<sid>, then the
+    # rest ..."): the answer then copies each from the trace just above it. Named by number alone,
+    # the answer had to look them up in the prompt, and a demo-sized model mostly wrote the first
+    # SID again (docs/EXPERIMENTS.md, "a scan that orders its best three").
+    rest = (rest_text(ranking) if top == 1 else
+            "".join(f"#{j + 1}.{candidate_sids[j]}, " for j in picked[1:]) + "then the rest in retriever order"
+            if len(picked) > 1 else "the rest in retriever order")
+    return f"{line}\n{brief_trace(candidate_sids[first], first, why, rest)}", ranking
 
 
 def rest_text(ranking: Sequence[int], cited: int = 3) -> str:

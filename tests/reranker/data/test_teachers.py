@@ -367,8 +367,10 @@ def test_top_scan_keeps_a_running_best_three_equal_to_a_stable_sort():
     sids = [f"<s{i}>" for i in range(5)]
     trace, ranking = scan_trace(sids, [0, 3, 0, 5, 1], top=3)
     assert ranking == [3, 1, 4, 0, 2]
-    assert trace.splitlines()[1].endswith("first (strongest co-purchase after the last item), then #2, #5, "
-                                          "then the rest in retriever order.")
+    assert trace.splitlines()[1] == ("#4.<s3> first (strongest co-purchase after the last item), then #2.<s1>, "
+                                     "#5.<s4>, then the rest in retriever order.")
+    assert scan_trace(sids[:1], [2], top=3)[0].endswith("#1.<s0> first (strongest co-purchase after the last "
+                                                        "item), then the rest in retriever order.")
     with pytest.raises(ValueError, match="top must be"):
         top_scan([1, 2], "H:", top=0)
     with pytest.raises(ValueError, match="at least one"):
