@@ -69,6 +69,8 @@ def _scan_and_top(style: str) -> tuple[str, int]:
 def _rule_inputs(user_text: str, n_candidates: int, style: str) -> tuple[list, str, list[int] | None]:
     """(counts, scan head, brand counts or None) of a RULE_LABEL_STYLES scan, from the evidence
     lines of a rendered prompt."""
+    if style not in RULE_LABEL_STYLES:
+        raise ValueError(f"rule_scan writes one of {RULE_LABEL_STYLES}, got style {style!r}")
     style, top = _scan_and_top(style)
     if top > 1:
         counts, head, brands = _rule_inputs(user_text, n_candidates, style)
@@ -81,7 +83,7 @@ def _rule_inputs(user_text: str, n_candidates: int, style: str) -> tuple[list, s
         return [tuple(c) for c in recent], SCAN_HEADS["recent"], None
     if style == "scan_brand":
         return [tuple(c) for c in recent], SCAN_HEADS["recent_brand"], [ev["brand_match_count"] for ev in evidence]
-    raise ValueError(f"rule_scan writes one of {RULE_LABEL_STYLES}, got style {style!r}")
+    raise AssertionError(style)  # unreachable: checked above
 
 
 def rule_keys(user_text: str, n_candidates: int, style: str) -> list[tuple]:

@@ -392,6 +392,8 @@ def test_top3_styles_retrace_a_prompt_with_the_same_pick_and_an_ordered_head(wor
         assert ranking3[0] == ranking1[0]
         assert ranking3[:3] == sorted(range(len(keys)), key=lambda j: keys[j], reverse=True)[:3]
         assert "; best 3 so far:" in trace3.splitlines()[0] and "best 3" not in trace1
+    with pytest.raises(ValueError, match="got style 'scan_top3_top3'"):
+        rule_scan(text, e.candidate_sids, "scan_top3_top3")
 
 
 def test_candidate_evidence_parses_back_from_a_rendered_prompt(world):
