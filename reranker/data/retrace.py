@@ -71,19 +71,17 @@ def _rule_inputs(user_text: str, n_candidates: int, style: str) -> tuple[list, s
     lines of a rendered prompt."""
     if style not in RULE_LABEL_STYLES:
         raise ValueError(f"rule_scan writes one of {RULE_LABEL_STYLES}, got style {style!r}")
-    style, top = _scan_and_top(style)
-    if top > 1:
-        counts, head, brands = _rule_inputs(user_text, n_candidates, style)
-        return counts, f"{head[:-1]}; best {top} so far:", brands
+    scan, top = _scan_and_top(style)
     evidence = parse_candidate_evidence(user_text, n_candidates)
     recent = [ev["copurchase_recent"] or [0] for ev in evidence]
-    if style == "scan":
-        return [c[0] for c in recent], SCAN_HEADS["last"], None
-    if style == "scan_recent":
-        return [tuple(c) for c in recent], SCAN_HEADS["recent"], None
-    if style == "scan_brand":
-        return [tuple(c) for c in recent], SCAN_HEADS["recent_brand"], [ev["brand_match_count"] for ev in evidence]
-    raise AssertionError(style)  # unreachable: checked above
+    if scan == "scan":
+        counts, head, brands = [c[0] for c in recent], SCAN_HEADS["last"], None
+    elif scan == "scan_recent":
+        counts, head, brands = [tuple(c) for c in recent], SCAN_HEADS["recent"], None
+    else:  # "scan_brand"
+        counts, head, brands = ([tuple(c) for c in recent], SCAN_HEADS["recent_brand"],
+                                [ev["brand_match_count"] for ev in evidence])
+    return counts, (head if top == 1 else f"{head[:-1]}; best {top} so far:"), brands
 
 
 def rule_keys(user_text: str, n_candidates: int, style: str) -> list[tuple]:

@@ -70,11 +70,18 @@ SPLITS = ("test", "valid")
 VALID_FOLDS = 2  # user halves the validation split's learned scorer is cross-fitted over
 
 
-def fit_learned_scorer(data_dir: Path, ctx: FeatureContext, exclude_users=frozenset()) -> LtrScorer | None:
-    """The learned-scorer baseline (module docstring), fitted without ``exclude_users``' lists; None
-    when fewer than two such lists have their target among the candidates."""
+def scorer_lists(data_dir: Path) -> list[dict]:
+    """The lists the learned-scorer baseline learns from (module docstring) that have their target
+    among the candidates."""
     rows = [r for r in load_split(data_dir, "train") if r.get("source") == "valid"] + load_split(data_dir, "valid")
-    rows = [r for r in rows if r.get("target") in r["candidates"] and r["user"] not in exclude_users]
+    return [r for r in rows if r.get("target") in r["candidates"]]
+
+
+def fit_learned_scorer(data_dir: Path, ctx: FeatureContext, exclude_users=frozenset(),
+                       lists: list[dict] | None = None) -> LtrScorer | None:
+    """The learned-scorer baseline (module docstring), fitted without ``exclude_users``' lists; None
+    when fewer than two such lists are left. ``lists``: `scorer_lists`, when already read."""
+    rows = [r for r in (scorer_lists(data_dir) if lists is None else lists) if r["user"] not in exclude_users]
     if len(rows) < 2:
         return None
     saved = data_dir / "scorer" / "scorer.json"
@@ -163,7 +170,8 @@ def split_permutations(data_dir, retrieval_dir=None, items_path=None, seed: int 
     else:  # each half of the selection users scored by a scorer that never saw it
         fold_of = functools.partial(user_fold, folds=VALID_FOLDS, seed=seed)
         halves = {f: {r["user"] for r in rows if fold_of(r["user"]) == f} for f in range(VALID_FOLDS)}
-        scorers = {f: fit_learned_scorer(data_dir, ctx, exclude_users=users) for f, users in halves.items()}
+        lists = scorer_lists(data_dir)  # read once for both halves
+        scorers = {f: fit_learned_scorer(data_dir, ctx, users, lists) for f, users in halves.items()}
         scorer = None if None in scorers.values() else UserFoldScorers(scorers, fold_of)
     return rows, baseline_permutations(rows, ctx, scorer, seed)
 

@@ -303,9 +303,10 @@ def scan_trace(candidate_sids: Sequence[str], counts: Sequence, head: str = SCAN
     # rest ..."): the answer then copies each from the trace just above it. Named by number alone,
     # the answer had to look them up in the prompt, and a demo-sized model mostly wrote the first
     # SID again (docs/EXPERIMENTS.md, "a scan that orders its best three").
-    rest = (rest_text(ranking) if top == 1 else
-            "".join(f"#{j + 1}.{candidate_sids[j]}, " for j in picked[1:]) + "then the rest in retriever order"
-            if len(picked) > 1 else "the rest in retriever order")
+    if len(picked) == 1:
+        rest = rest_text(ranking)
+    else:
+        rest = "".join(f"#{j + 1}.{candidate_sids[j]}, " for j in picked[1:]) + "then the rest in retriever order"
     return f"{line}\n{brief_trace(candidate_sids[first], first, why, rest)}", ranking
 
 
