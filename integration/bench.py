@@ -32,8 +32,10 @@ its ``plots/``), which the main page links at its end.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -696,6 +698,26 @@ def render_archive_page(results: dict[str, dict], ctx: Ctx, main_page: str) -> l
              "table names the command and commit that produced it, with the file name it was written to then.",
              *_MACHINE]
     return lines + _sections(ordered, ctx, missing=False)
+
+
+def archive_result(path: Path) -> Path:
+    """Move a results file that a later run replaces into its folder's archive/, named by the date it
+    records (``stages-beauty.json`` of "2026-12-01 17:43 UTC" becomes ``archive/stages-beauty-2026-12-01-1743.json``),
+    so it keeps rendering on the archive page. Refuses a file without a recorded date or a name taken."""
+    path = Path(path)
+    try:
+        date = json.loads(path.read_text(encoding="utf-8")).get("date")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable results file ({e})") from None
+    stamp = re.fullmatch(r"(\d{4}-\d{2}-\d{2}) (\d{2}):(\d{2}) UTC", str(date or ""))
+    if stamp is None:
+        raise ValueError(f"{path}: its 'date' is {date!r}, not 'YYYY-MM-DD HH:MM UTC'; archive it by hand")
+    dest = path.parent / ARCHIVE / f"{path.stem}-{stamp[1]}-{stamp[2]}{stamp[3]}.json"
+    if dest.exists():
+        raise FileExistsError(f"{dest} exists; not replacing an archived run")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(path, dest)
+    return dest
 
 
 def build_benchmarks(results_dir: Path = RESULTS_DIR, out: Path = Path("docs/BENCHMARKS.md"),

@@ -189,10 +189,11 @@ def pick_candidate(reports: list[dict], metric: str, within: float = 0.0) -> int
 
 
 def choose_on_validation(where: str, setting, runs: list[dict], data_dir: Path, ecfg: dict, out: Path,
-                         decoder: str, evaluate_rows) -> tuple[Path, dict]:
+                         decoder: str, evaluate_rows, run_missing: bool = True) -> tuple[Path, dict]:
     """The model the chain continues from (see the module docstring) and the record of the choice.
     Averages go to `<out>/models/<where>-avg<k>`; the candidates' reports to `<out>/selection/<where>/`.
-    `evaluate_rows`: the pipeline's row evaluation (integration.pipeline.evaluate_rows)."""
+    `evaluate_rows`: the pipeline's row evaluation (integration.pipeline.evaluate_rows); run_missing=False:
+    read back only (NotDoneError for an average or evaluation not made yet)."""
     from reranker.model import average_models
     from reranker.stages.pipeline import model_fingerprint
 
@@ -212,6 +213,10 @@ def choose_on_validation(where: str, setting, runs: list[dict], data_dir: Path, 
         avg = out / "models" / f"{where}-avg{k}"
         h = step_hash("average", [model_fingerprint(m) for m in members])
         if not step_done(avg / ".average_done.json", h):
+            if not run_missing:
+                from reranker.stages.base import NotDoneError
+
+                raise NotDoneError(f"{where}: the average of the last {k} runs in {avg}: not done with these runs")
             print(f"  {where}: averaging the last {k} runs", flush=True)
             t0 = time.time()
             average_models(members, avg)
@@ -219,7 +224,8 @@ def choose_on_validation(where: str, setting, runs: list[dict], data_dir: Path, 
         seconds += json.loads((avg / ".average_done.json").read_text()).get("seconds") or 0.0
         candidates.append((f"average of the last {k}", avg))
     ecfg = {**ecfg, "split": "valid", "limit": c["limit"]}
-    reps = evaluate_rows([(name, d, decoder) for name, d in candidates], data_dir, ecfg, out / "selection" / where)
+    reps = evaluate_rows([(name, d, decoder) for name, d in candidates], data_dir, ecfg, out / "selection" / where,
+                         run_missing)
     best = pick_candidate(reps, c["metric"], c["within"])
     seconds += sum(r.get("wall_seconds") or 0.0 for r in reps if not r.get("same_weights_as"))
     record = {"metric": c["metric"], "within": c["within"], "split": "valid", "n": reps[0]["n"],

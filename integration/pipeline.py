@@ -38,7 +38,17 @@ def _step(name: str, i: int, n: int, msg: str) -> None:
     print(f"[{i}/{n}] {name}: {msg}", flush=True)
 
 
-def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: str | None = None) -> dict:
+def _not_done(what: str, where: Path):
+    from reranker.stages.base import NotDoneError
+
+    raise NotDoneError(f"{what} in {where}: not done with these settings and this code")
+
+
+def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: str | None = None,
+                      summary_only: bool = False) -> dict:
+    """summary_only: run no step, only read back the finished ones and write the summary; a step that
+    is not done (or was made from other settings or code) raises NotDoneError naming it. The non-LM
+    baselines are the exception: made again when their version changed (no model is trained)."""
     from candidate_gen.retrieve import run_retrieval
     from reranker.data.dataset import FORMAT as DATA_FORMAT, build_rerank_data
     from reranker.diffusion.convert import convert_to_diffusion
@@ -52,8 +62,8 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     out = Path(cfg["out"])
     check_stages(section(cfg, "stages"))  # before hours of work, not when a stage's chain starts
     check_model_section(section(cfg, "model"))
-    # the settings this run was made from: what `dgr2 release` ships and hashes as the recipe
-    atomic_write_text(out / "recipe.json", json.dumps(cfg, indent=2, sort_keys=True, default=str) + "\n")
+    if not summary_only:  # the settings this run was made from: what `dgr2 release` ships and hashes as the recipe
+        atomic_write_text(out / "recipe.json", json.dumps(cfg, indent=2, sort_keys=True, default=str) + "\n")
     seed = int(cfg.get("seed", 0))
     n_steps = 7
     timings: dict[str, float] = {}
@@ -61,11 +71,15 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     # 1. Retrieval.
     t = time.time()
     rs = retrieval_settings(cfg, data_override, str(out / "retrieval"))
-    h_ret = step_hash("retrieval", section(cfg, "data"), section(cfg, "retrieval"), seed, data_override)
+    # --data by the directory it names: a relative and an absolute spelling of it are the same step
+    h_ret = step_hash("retrieval", section(cfg, "data"), section(cfg, "retrieval"), seed,
+                      str(Path(data_override).resolve()) if data_override else None)
     if step_done(out / "retrieval" / ".pipeline_done.json", h_ret):
         _step("retrieval", 1, n_steps, "up to date, skipped")
         retrieval = json.loads((out / "retrieval" / "metrics.json").read_text())
     else:
+        if summary_only:
+            _not_done("retrieval", out / "retrieval")
         _step("retrieval", 1, n_steps, "SASRec + FAISS + candidate lists")
         retrieval = run_retrieval(rs)
         mark_step(out / "retrieval" / ".pipeline_done.json", h_ret)
@@ -80,6 +94,8 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     if step_done(data_dir / ".pipeline_done.json", h_data):
         _step("data", 2, n_steps, "up to date, skipped")
     else:
+        if summary_only:
+            _not_done("re-ranking data", data_dir)
         _step("data", 2, n_steps, "semantic IDs, tokenizer, teacher traces")
         build_rerank_data(rs.out, items_path, data_dir, seed=seed, **dcfg)
         mark_step(data_dir / ".pipeline_done.json", h_data, seconds=time.time() - t)
@@ -100,6 +116,8 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     init_dir = out / "models" / "init"
     h_init = step_hash("init", h_data, mcfg, seed)
     if not step_done(out / "models" / ".init_done.json", h_init):
+        if summary_only:
+            _not_done("initial model", init_dir)
         init_model(data_dir, init_dir, size=mcfg.get("size", "cpu"), base=mcfg.get("base"), seed=seed,
                    qk_norm_gain=mcfg.get("qk_norm_gain"))
         mark_step(out / "models" / ".init_done.json", h_init)
@@ -112,15 +130,17 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
         ar_specs += phase_specs("sft", stages["sft"], data_dir, seed, len(ar_specs) + 1)
     _step("ar", 3, n_steps, " -> ".join([s["id"][3:] for s in ar_specs]
                                         + [x for x in ("choose_teacher", "ar_rl") if x in stages]))
-    ar_runs = run_pipeline(ar_specs, init_dir, out / "runs" / "ar", data_dir, seed=seed) if ar_specs else []
+    run_missing = not summary_only
+    ar_runs = (run_pipeline(ar_specs, init_dir, out / "runs" / "ar", data_dir, seed=seed, run_missing=run_missing)
+               if ar_specs else [])
     sft_dir = Path(ar_runs[-1]["output_dir"]) if ar_runs else init_dir
     if "choose_teacher" in stages and ar_runs:
         sft_dir, selection["teacher"] = choose_on_validation("choose_teacher", stages["choose_teacher"], ar_runs,
-                                                             data_dir, ecfg, out, "ar", evaluate_rows)
+                                                             data_dir, ecfg, out, "ar", evaluate_rows, run_missing)
     rl_runs = []
     if "ar_rl" in stages:
         rl_runs = run_pipeline(phase_specs("ar_rl", stages["ar_rl"], data_dir, seed, len(ar_specs) + 1), sft_dir,
-                               out / "runs" / "ar", data_dir, seed=seed)
+                               out / "runs" / "ar", data_dir, seed=seed, run_missing=run_missing)
     ar_dir = Path(rl_runs[-1]["output_dir"]) if rl_runs else sft_dir
     timings["ar_stages"] = time.time() - t
 
@@ -133,6 +153,8 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     naive_dir = out / "models" / "naive"
     h_conv = step_hash("convert", model_fingerprint(ar_dir), block, decode)
     if not step_done(out / "models" / ".naive_done.json", h_conv):
+        if summary_only:
+            _not_done("conversion", naive_dir)
         _step("convert", 4, n_steps, f"AR -> block diffusion, B = {block}")
         t_conv = time.time()
         convert_to_diffusion(ar_dir, naive_dir, block_size=block, decode=decode)
@@ -142,12 +164,12 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     student = naive_dir
     if "cft" in stages:
         cft_runs = run_pipeline(phase_specs("cft", stages["cft"], data_dir, seed, 1), naive_dir,
-                                out / "runs" / "diffusion", data_dir, seed=seed)
+                                out / "runs" / "diffusion", data_dir, seed=seed, run_missing=run_missing)
         student = Path(cft_runs[-1]["output_dir"])
         if "choose_student" in stages:
             student, selection["student"] = choose_on_validation("choose_student", stages["choose_student"],
                                                                  cft_runs, data_dir, ecfg, out, "diffusion",
-                                                                 evaluate_rows)
+                                                                 evaluate_rows, run_missing)
         d_runs.append({"name": "cft", "output_dir": str(student), "runs": cft_runs})
     n_d = sum(len(r["runs"]) for r in d_runs)
     for s in ("opd", "rl"):
@@ -155,7 +177,8 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
             # OPD distils from the final teacher unless told otherwise
             specs = phase_specs(s, stages[s], data_dir, seed, n_d + 1,
                                 defaults={"teacher": str(ar_dir)} if s == "opd" else None)
-            runs = run_pipeline(specs, student, out / "runs" / "diffusion", data_dir, seed=seed)
+            runs = run_pipeline(specs, student, out / "runs" / "diffusion", data_dir, seed=seed,
+                                run_missing=run_missing)
             n_d += len(runs)
             student = Path(runs[-1]["output_dir"])
             d_runs.append({"name": s, "output_dir": str(student), "runs": runs})
@@ -174,7 +197,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     label = {"cft": "+CFT", "opd": "+CFT+OPD", "rl": "+CFT+OPD+RL"}
     rows += [(label.get(r["name"], r["name"]), Path(r["output_dir"]), "diffusion") for r in d_runs]
     _step("eval", 6, n_steps, ", ".join(r[0] for r in rows))
-    table = evaluate_rows(rows, data_dir, ecfg, out / "eval")
+    table = evaluate_rows(rows, data_dir, ecfg, out / "eval", run_missing)
     timings["eval"] = time.time() - t
 
     # 6. Side-by-side speed of the final student over its teacher at batch 1 (a `speed` section).
@@ -183,7 +206,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     if "speed" in cfg and d_runs:
         _step("speed", 7, n_steps, "final student vs AR teacher, batch 1, side by side")
         speed = measure_final_speed(ar_dir, student, data_dir, section(cfg, "speed"),
-                                    ecfg, out / "eval" / "speed.json")
+                                    ecfg, out / "eval" / "speed.json", run_missing)
         speed.pop("speed_key", None)
     timings["speed"] = time.time() - t
 
@@ -248,7 +271,7 @@ def start_invocation(out: Path, argv: list[str]) -> dict:
 
     inv = {"commit": current_commit(), "argv": argv, "started": dt.datetime.now(dt.timezone.utc).isoformat(
         timespec="seconds"), "loadavg_start": list(os.getloadavg())}
-    _save_invocations(out, _invocations(out) + [inv])
+    _save_invocations(out, read_invocations(out) + [inv])
     return inv
 
 
@@ -258,12 +281,28 @@ def finish_invocation(out: Path, inv: dict, seconds: float) -> list[dict]:
 
     done = {**inv, "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "seconds": seconds, "loadavg_end": list(os.getloadavg())}
-    invs = [done if i == inv else i for i in _invocations(out)]
+    invs = [done if i == inv else i for i in read_invocations(out)]
     _save_invocations(out, invs)
     return invs
 
 
-def _invocations(out: Path) -> list[dict]:
+def public_argv(argv: list[str]) -> list[str]:
+    """argv with the values of --data and --out replaced by DATA and RUN: paths of one machine."""
+    roles = {"--data": "DATA", "--out": "RUN"}
+    out, role = [], None  # role: what the previous flag's value is
+    for a in argv:
+        flag, eq, _ = a.partition("=")
+        if role:
+            out.append(role)
+        elif eq and flag in roles:
+            out.append(f"{flag}={roles[flag]}")
+        else:
+            out.append(a)
+        role = roles.get(a)
+    return out
+
+
+def read_invocations(out: Path) -> list[dict]:
     path = Path(out) / "invocations.json"
     return json.loads(path.read_text()) if path.is_file() else []
 
@@ -342,10 +381,10 @@ def _decode_options(ecfg: dict, decoder: str, model_dir=None):
     return resolve({**given, "decoder": decoder}, recorded_in(model_dir) if model_dir else None)
 
 
-def evaluate_rows(rows, data_dir: Path, ecfg: dict, eval_dir: Path) -> list[dict]:
+def evaluate_rows(rows, data_dir: Path, ecfg: dict, eval_dir: Path, run_missing: bool = True) -> list[dict]:
     """Evaluate each (label, model dir, decoder) on the same test users; CIs vs retriever and vs AR.
     A row whose report was made from the same weights, test file and settings is read back, not
-    decoded again (its `eval_key`)."""
+    decoded again (its `eval_key`); run_missing=False: a row without one raises NotDoneError."""
     import numpy as np
 
     from reranker.engine import RerankEngine
@@ -374,6 +413,8 @@ def evaluate_rows(rows, data_dir: Path, ecfg: dict, eval_dir: Path) -> list[dict
             atomic_write_text(path, json.dumps(rep, indent=2))
             print(f"  eval {label}: the same weights as {by_key[key]['label']}, its report reused", flush=True)
         else:
+            if not run_missing:
+                _not_done(f"evaluation of {label!r} ({model_dir})", path)
             engine = RerankEngine.load(model_dir, data_dir)
             rep = evaluate(engine, examples, opts, int(ecfg.get("batch_size", 8)), workers=int(ecfg.get("workers", 1)))
             # model_sha256: the row's model by the sha256 of its weights, as a release names it
@@ -395,7 +436,8 @@ def evaluate_rows(rows, data_dir: Path, ecfg: dict, eval_dir: Path) -> list[dict
 SPEED_KEYS = ("n_prompts", "repeats", "warmup", "threads")
 
 
-def measure_final_speed(ar_dir: Path, diff_dir: Path, data_dir: Path, scfg: dict, ecfg: dict, path: Path) -> dict:
+def measure_final_speed(ar_dir: Path, diff_dir: Path, data_dir: Path, scfg: dict, ecfg: dict, path: Path,
+                        run_missing: bool = True) -> dict:
     """The final student against its teacher at batch 1, side by side in this process (`dgr2 speed`'s
     measure_speed: same prompts, same threads, interleaved repeats, medians), at the evaluation's tau
     and decode settings. Read back when made from the same weights and settings."""
@@ -412,6 +454,8 @@ def measure_final_speed(ar_dir: Path, diff_dir: Path, data_dir: Path, scfg: dict
         if cached.get("speed_key") == key:
             print("  speed: up to date, skipped", flush=True)
             return cached
+    if not run_missing:
+        _not_done("the batch-1 speed measurement", path)
     t0 = time.time()
     examples = load_examples(data_dir / f"{ecfg.get('split', 'test')}.jsonl", int(scfg.get("n_prompts", 8)))
     engine_ar, engine_diff = RerankEngine.load(ar_dir, data_dir), RerankEngine.load(diff_dir, data_dir)

@@ -225,7 +225,12 @@ def release(run, out, config=None, force: bool = False, max_mb: float = MAX_MB) 
         atomic_write_json(tmp / "build_info.json", info)
         for f in ("sids.json", "test.jsonl"):
             shutil.copyfile(data_dir / f, tmp / f)
-        shutil.copyfile(recipe, tmp / recipe_name)
+        if recipe.suffix == ".json":  # the pipeline's record: where the run lived is not part of the recipe
+            settings = json.loads(recipe.read_text(encoding="utf-8"))
+            settings.pop("out", None)
+            atomic_write_text(tmp / recipe_name, json.dumps(settings, indent=2, sort_keys=True) + "\n")
+        else:
+            shutil.copyfile(recipe, tmp / recipe_name)
         recipe_sha = file_sha256(tmp / recipe_name)
         atomic_write_json(tmp / "metrics.json", {**metrics, "recipe": {"file": recipe_name, "sha256": recipe_sha},
                                                  "commit": commit})

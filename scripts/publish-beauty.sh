@@ -56,9 +56,20 @@ serve_pair() {  # the AR teacher and the diffusion student, each its own server,
   stop_servers
 }
 
-# 1. The stage table of the finished run (a no-op pipeline call that writes the summary).
-step table "$DGR2" pipeline --config configs/beauty.yaml --out "$RUN" \
-  --record docs/results/pipeline-beauty.json --results docs/results/stages-beauty.json
+archive_replaced() {  # result files of earlier Beauty models: this run's replace them (their archive page keeps them)
+  local present=()
+  for f in docs/results/*beauty*.json docs/results/service-load.json; do if [[ -e $f ]]; then present+=("$f"); fi; done
+  if ((${#present[@]})); then "$DGR2" bench --archive "${present[@]}"; fi
+}
+
+# 0. Earlier Beauty results to the archive, once (the marker keeps a later call from archiving this run's).
+step archive archive_replaced
+# 1. The stage table of the finished run (a pipeline call that runs nothing: a step not done with this
+#    code and these settings stops it), and the run's retriever. DATA: the --data the run was given.
+step table "$DGR2" pipeline --config configs/beauty.yaml --data "${DATA:-../shared/data/amazon-beauty}" --out "$RUN" \
+  --summary-only --record docs/results/pipeline-beauty.json --results docs/results/stages-beauty.json
+step retrieval "$DGR2" results --artifacts "$RUN/retrieval" --out docs/results/retrieval-beauty.json \
+  --command "dgr2 pipeline --config configs/beauty.yaml --data DATA --out $RUN (its retrieval step)"
 # 2. The non-LM baselines, and the AR teacher against them on the same test users.
 step baselines "$DGR2" baselines --config configs/beauty.yaml --data-dir "$RUN/rerank_data" \
   --results docs/results/rerank-baselines-beauty.json

@@ -12,6 +12,8 @@ import argparse
 import logging
 import sys
 
+from reranker.stages.base import NotDoneError
+
 from ..config import ConfigError
 from . import data, evaluate, pipeline, research, serve, train
 from .allocator import keep_freed_memory
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is noise
     try:
         return args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, ValueError, FileNotFoundError, NotDoneError) as e:
         print(f"dgr2 {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -20,16 +20,23 @@ def cmd_pipeline(args) -> int:
 
     from ..config import section
     from ..phases import check_stages
-    from ..pipeline import finish_invocation, format_summary, run_full_pipeline, start_invocation
+    from ..pipeline import (finish_invocation, format_summary, public_argv, read_invocations, run_full_pipeline,
+                            start_invocation)
 
     t0 = time.time()
     cfg = load_config(args.config)
     if getattr(args, "out", None):
         cfg["out"] = args.out
     check_stages(section(cfg, "stages"))  # a bad setting leaves no record of a call in --out
-    inv = start_invocation(Path(cfg["out"]), sys.argv[1:])
-    summary = run_full_pipeline(cfg, data_override=getattr(args, "data", None), only_until=getattr(args, "until", None))
-    invocations = finish_invocation(Path(cfg["out"]), inv, time.time() - t0)
+    summary_only = getattr(args, "summary_only", False)
+    # a --summary-only call made nothing, so it is not one of the calls that made the run
+    inv = None if summary_only else start_invocation(Path(cfg["out"]), sys.argv[1:])
+    summary = run_full_pipeline(cfg, data_override=getattr(args, "data", None), only_until=getattr(args, "until", None),
+                                summary_only=summary_only)
+    invocations = (finish_invocation(Path(cfg["out"]), inv, time.time() - t0) if inv is not None
+                   else read_invocations(Path(cfg["out"])))
+    # where the data and the run lived is this machine's business: the record names them by role
+    invocations = [{**i, "argv": public_argv(i["argv"])} for i in invocations]
     if getattr(args, "record", None) and not getattr(args, "until", None):
         # the run's cost: each step's seconds as recorded with its output, and every call that made it
         write_result(args.record, {"name": cfg.get("name"), "stage_seconds": summary["stage_seconds"],
@@ -63,6 +70,9 @@ def add_pipeline(sub) -> None:
     pl.add_argument("--out", help="output directory (overrides the config's `out`; may live outside the work tree, "
                     "and a later run with the same --out resumes it)")
     pl.add_argument("--until", choices=["data"], help="stop after this step (the rest runs on a later call)")
+    pl.add_argument("--summary-only", action="store_true",
+                    help="run no step: read back a finished run and write its summary (and --results/--record); "
+                         "a step not done with these settings and this code is an error naming it")
     pl.add_argument("--results", help="also write the summary to this docs/results JSON file")
     pl.add_argument("--record", help="also write the run's cost (seconds per step, total, machine, load, each "
                     "call that made it) to this docs/results JSON file")

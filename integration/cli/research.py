@@ -109,8 +109,10 @@ def cmd_results(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from ..bench import build_benchmarks
+    from ..bench import archive_result, build_benchmarks
 
+    for f in args.archive:
+        print(f"archived {f} -> {archive_result(Path(f))}")
     print(f"wrote {build_benchmarks(args.results, args.out, args.plots)}")
     return 0
 
@@ -190,4 +192,7 @@ def add_bench(sub) -> None:
     b.add_argument("--results", default="docs/results", help="directory of result JSON files")
     b.add_argument("--out", default="docs/BENCHMARKS.md")
     b.add_argument("--plots", default=None, help="PNG directory (default: <out's folder>/plots)")
+    b.add_argument("--archive", nargs="+", default=[], metavar="FILE",
+                   help="first move these results files (runs a new run replaces) to <results>/archive/, "
+                        "named by their recorded date")
     b.set_defaults(func=cmd_bench)

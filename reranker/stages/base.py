@@ -24,6 +24,10 @@ from pathlib import Path
 DONE_FILE = "stage_done.json"
 
 
+class NotDoneError(RuntimeError):
+    """A step asked to be done already (read back, not run: `dgr2 pipeline --summary-only`) is not."""
+
+
 @dataclass
 class StageContext:
     name: str

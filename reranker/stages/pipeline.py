@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from candidate_gen.files import atomic_write_json, replace_dir
-from reranker.stages.base import DONE_FILE, StageContext, config_hash, merge_config, read_done
+from reranker.stages.base import DONE_FILE, NotDoneError, StageContext, config_hash, merge_config, read_done
 from reranker.stages.registry import get_stage, get_stage_class
 from reranker.training import distributed as D
 
@@ -125,10 +125,12 @@ def _summary_line(i: int, n: int, s: dict) -> str:
 
 
 def run_stage(name: str, input_dir, output_dir, data_dir=None, config: dict | None = None, runs_dir=None, *,
-              run_dir=None, seed: int = 0, progress: bool = True, force: bool = False, device: str = "auto") -> dict:
+              run_dir=None, seed: int = 0, progress: bool = True, force: bool = False, device: str = "auto",
+              run_missing: bool = True) -> dict:
     """Run stage `name` from model `input_dir` into `output_dir` (skipped when already done
     with the same hash, unless `force`). Checkpoints/TensorBoard go to `run_dir`, by default
-    `<runs_dir>/<name>` or, without runs_dir, `<output_dir>.run`. Returns a summary dict."""
+    `<runs_dir>/<name>` or, without runs_dir, `<output_dir>.run`. Returns a summary dict.
+    run_missing=False: a stage that is not done raises NotDoneError instead of training."""
     env = D.init_distributed(device)
     stage = get_stage(name)
     cfg = merge_config(stage.default_config(), config, name)
@@ -145,6 +147,10 @@ def run_stage(name: str, input_dir, output_dir, data_dir=None, config: dict | No
         return {**summary, "status": "skipped", "metrics": done.get("metrics", {}),
                 "optimizer_steps": done.get("optimizer_steps", 0), "wall_seconds": 0.0}
 
+    if not run_missing:
+        why = ("not trained yet" if done is None else
+               f"made from other settings or inputs (config_hash {done.get('config_hash')}, now {h})")
+        raise NotDoneError(f"stage {name!r} in {output_dir}: {why}")
     partial = output_dir.with_name(output_dir.name + PARTIAL_SUFFIX)
     if env.is_main:
         if force:  # a forced rerun must not resume from this hash's checkpoints
@@ -190,13 +196,14 @@ def _spec_dirname(i: int, spec: dict) -> str:
 
 
 def run_pipeline(stage_specs: list[dict], start_model_dir, runs_dir, data_dir=None, *, seed: int = 0,
-                 progress: bool = True, device: str = "auto") -> list[dict]:
+                 progress: bool = True, device: str = "auto", run_missing: bool = True) -> list[dict]:
     """Run stages in order, each one's output model feeding the next.
 
     A spec is {"name": ..., "config": {...}} plus optional "id" (run dir name, default
     "NN_name"), "output" (model dir, default <runs_dir>/<id>/model), "data" (overrides
     data_dir) and "seed". Names and configs are all checked before anything trains.
-    Layout: <runs_dir>/<id>/{model/, checkpoints/, tensorboard/, metrics.jsonl}."""
+    Layout: <runs_dir>/<id>/{model/, checkpoints/, tensorboard/, metrics.jsonl}.
+    run_missing=False: only read back stages already done (run_stage)."""
     runs_dir = Path(runs_dir)
     specs = [dict(s) for s in stage_specs]
     seen = set()
@@ -219,11 +226,12 @@ def run_pipeline(stage_specs: list[dict], start_model_dir, runs_dir, data_dir=No
         run_dir = runs_dir / _spec_dirname(i, spec)
         out = Path(spec["output"]) if spec.get("output") else run_dir / "model"
         s = run_stage(spec["name"], model_dir, out, spec.get("data", data_dir), spec.get("config"),
-                      run_dir=run_dir, seed=int(spec.get("seed", seed)), progress=progress, device=device)
+                      run_dir=run_dir, seed=int(spec.get("seed", seed)), progress=progress, device=device,
+                      run_missing=run_missing)
         _say(_summary_line(i, len(specs), s))
         summaries.append(s)
         model_dir = out
-    if D.is_main():
+    if D.is_main() and run_missing:  # (read back only: the file already says this)
         rel = [{**s, "output_dir": _rel(s["output_dir"], runs_dir), "run_dir": _rel(s["run_dir"], runs_dir)}
                for s in summaries]
         # several chains may share a runs dir (the pipeline runs ar_rl after choosing the teacher):

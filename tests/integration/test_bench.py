@@ -182,3 +182,24 @@ def test_superseded_runs_get_their_own_page_oldest_first(tmp_path):
     assert page.index("### tiny-c") < page.index("### tiny-b")  # by recorded date, not by name
     assert (results / "archive" / "plots" / "speedup-batch-tiny-old.png").exists()
     assert not (tmp_path / "docs" / "plots" / "speedup-batch-tiny-old.png").exists()
+
+
+def test_a_replaced_result_moves_to_the_archive_under_its_recorded_date(tmp_path):
+    import pytest
+
+    from integration.bench import archive_result
+
+    results = tmp_path / "results"
+    results.mkdir()
+    old = results / "stages-tiny.json"
+    old.write_text(json.dumps(prov(rows=[]) | {"date": "2026-12-01 17:43 UTC"}))
+    moved = archive_result(old)
+    assert moved == results / "archive" / "stages-tiny-2026-12-01-1743.json" and moved.is_file() and not old.exists()
+    old.write_text(moved.read_text())  # the same run again: its archive name is taken
+    with pytest.raises(FileExistsError, match="stages-tiny-2026-12-01-1743.json exists"):
+        archive_result(old)
+    undated = results / "stages-undated.json"
+    undated.write_text(json.dumps({"rows": []}))
+    with pytest.raises(ValueError, match="stages-undated.json: its 'date' is None"):
+        archive_result(undated)
+    assert old.exists() and undated.exists()  # a refused file stays where it was

@@ -108,6 +108,44 @@ def test_pipeline_runs_every_stage_then_skips(config, capsys):
     assert again["speed"] == sp
 
 
+def test_summary_only_reads_a_finished_run_back_and_runs_nothing(config, tmp_path, capsys):
+    """`dgr2 pipeline --summary-only` (what publishing a finished run calls): the summary of the run
+    as it is, no step run and no call recorded; a step made from other settings stops it with one
+    line naming that step, before it trains."""
+    from integration.cli import main
+
+    out = Path(config["out"])
+    run_full_pipeline(config)  # the module's run, finished (made by the test above when run with it)
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    cfg_file = tmp_path / "tiny.yaml"
+    cfg_file.write_text(json.dumps(config))  # YAML reads JSON
+    record, results = tmp_path / "record.json", tmp_path / "stages.json"
+    capsys.readouterr()
+    assert main(["pipeline", "--config", str(cfg_file), "--summary-only", "--record", str(record),
+                 "--results", str(results)]) == 0
+    log = capsys.readouterr().out
+    assert "skipped" in log and "averaging" not in log
+    assert json.loads(results.read_text())["rows"] == json.loads((out / "summary.json").read_text())["rows"]
+    assert json.loads(record.read_text())["invocations"] == []  # the module's run was not a CLI call
+    changed = {p for p in out.rglob("*") if p.is_file() and before.get(p) != p.stat().st_mtime_ns}
+    assert {p.name for p in changed} <= {"summary.json", "stages.png"}, changed  # the summary, nothing else
+    other = {**config, "stages": {**config["stages"], "rl": {**config["stages"]["rl"], "lr": 1e-3}}}
+    cfg_file.write_text(json.dumps(other))
+    (rl_done,) = (out / "runs" / "diffusion").glob("*_rl/model/stage_done.json")
+    done_before = rl_done.read_text()
+    assert main(["pipeline", "--config", str(cfg_file), "--summary-only"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "stage 'rl'" in err[0] and "made from other settings or inputs" in err[0], err
+    assert rl_done.read_text() == done_before
+
+
+def test_the_record_names_data_and_run_directories_by_role():
+    from integration.pipeline import public_argv
+
+    argv = ["pipeline", "--config", "c.yaml", "--data", "/srv/x", "--out=/tmp/run", "--record", "r.json"]
+    assert public_argv(argv) == ["pipeline", "--config", "c.yaml", "--data", "DATA", "--out=RUN", "--record", "r.json"]
+
+
 def test_data_written_in_an_older_format_is_built_again(config, tmp_path, monkeypatch, capsys):
     """A run directory from before a change to the rendered text (the data FORMAT) must not pass as
     up to date: its prompts and traces are not what the code now writes and serves."""
@@ -388,6 +426,9 @@ def test_release_bundle_serves_evaluates_and_times_from_itself_alone(config, tmp
         card = (bundle / "MODEL_CARD.md").read_text()
         recipe_sha = hashlib.sha256((bundle / "recipe.json").read_bytes()).hexdigest()
         assert metrics["recipe"] == {"file": "recipe.json", "sha256": recipe_sha} and recipe_sha in card
+        # the settings, not where the run lived (a machine's path)
+        shipped = json.loads((bundle / "recipe.json").read_text())
+        assert "out" not in shipped and shipped["stages"] == json.loads((hidden / "recipe.json").read_text())["stages"]
         assert student_sha[:16] in card and "Side by side" in card and doc["commit"] in card
 
         report, outputs = tmp_path / "eval.json", tmp_path / "outputs.jsonl"

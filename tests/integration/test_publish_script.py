@@ -28,12 +28,22 @@ def run(tmp_path, fake, **env):
 
 def test_publish_runs_every_step_once_and_resumes(tmp_path):
     fake = fake_dgr2(tmp_path)
+    results = tmp_path / "docs" / "results"
+    results.mkdir(parents=True)
+    for old in ("stages-beauty.json", "service-load.json", "forward-cost-cpu-2threads.json"):
+        (results / old).write_text("{}")
     first = run(tmp_path, fake)
     assert first.returncode == 0, first.stderr
     calls = (tmp_path / "calls.log").read_text().splitlines()
-    firsts = [c.split()[0] for c in calls]
-    order = ["pipeline", "baselines", "report", "release", "eval", "speed", "e2e", "bench"]
+    # the earlier Beauty results go to the archive first; a machine cost table of no model stays
+    assert calls[0] == "bench --archive docs/results/stages-beauty.json docs/results/service-load.json"
+    firsts = [c.split()[0] for c in calls[1:]]
+    order = ["pipeline", "results", "baselines", "report", "release", "eval", "speed", "e2e", "bench"]
     assert [c for c in dict.fromkeys(firsts) if c in order] == order
+    (table,) = [c for c in calls if c.startswith("pipeline")]
+    assert "--summary-only" in table  # publishing reads the run back; it never trains
+    e2e = [c for c in calls if c.startswith("e2e")]
+    assert len(e2e) == 2 and "--add-to" not in e2e[0] and "--add-to" in e2e[1]  # a step per re-ranker
     assert sum(c.startswith("serve ") for c in calls) == 2  # the teacher and the student, each its own server
     (load,) = [c for c in calls if c.startswith("loadtest")]
     assert "ar=127.0.0.1:50061,diffusion=127.0.0.1:50062" in load and "--n 5000" in load
