@@ -98,6 +98,11 @@ done
 step speed-independent "$DGR2" speed --ar "$BUNDLE/teacher" --diffusion "$BUNDLE/student" --data "$BUNDLE" \
   --batch-sizes 8 --taus 0.9 --schedule independent --exact-decoders '' --lengths '' --forward-blocks '' \
   --accuracy-limit 500 --out docs/results/diffusion-speed-beauty-independent.json
+# Prompt-lookup drafts inside a block (the student was not trained with them): kept only if they win
+# at the same accuracy.
+step speed-drafts "$DGR2" speed --ar "$BUNDLE/teacher" --diffusion "$BUNDLE/student" --data "$BUNDLE" \
+  --batch-sizes 1,8 --taus 0.9 --lookup-drafts --exact-decoders '' --lengths '' --forward-blocks '' \
+  --accuracy-limit 500 --out docs/results/diffusion-speed-beauty-drafts.json
 # 6. The service under load, one server per model, plus a deliberate overload.
 step loadtest serve_pair
 # 7. RecBole's Trainer.evaluate on every test user: SASRec alone, + AR, + diffusion. One step per
