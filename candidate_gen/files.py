@@ -241,11 +241,18 @@ def model_sha256(model_dir: str | os.PathLike) -> str:
     return hashlib.sha256("".join(f"{file_sha256(f)}  {f.name}\n" for f in files).encode()).hexdigest()
 
 
+# What commands write into the repository (results, their rendering, released models): changes there
+# do not make the code "dirty".
+OUTPUT_PATHS = ("docs/results", "docs/BENCHMARKS.md", "docs/plots", "models")
+
+
 def current_commit() -> str:
-    """The short git commit of the working directory ("-dirty" with uncommitted changes), else "unknown"."""
+    """The short git commit of the working directory ("-dirty" with uncommitted changes outside
+    OUTPUT_PATHS), else "unknown"."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":(top)",
+                                *(f":(top,exclude){p}" for p in OUTPUT_PATHS)],
                                capture_output=True, text=True).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):

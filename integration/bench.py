@@ -111,7 +111,7 @@ def provenance(r: dict) -> str:
 
 
 def _name(stem: str, prefix: str) -> str:
-    n = stem[len(prefix):] if stem.startswith(prefix) else ""
+    n = stem[len(prefix):].lstrip("-") if stem.startswith(prefix) else ""  # "service-load-<date>": "<date>"
     return n or stem
 
 

@@ -127,7 +127,11 @@ def _metrics(summary: dict, run: Path, models: dict[str, Path]) -> dict:
                                "stage table evaluates the final models")
     keep = {k: summary.get(k) for k in ("name", "test_users", "tau", "block_size", "retrieval", "baselines",
                                         "baselines_info", "speed", "stage_optimizer_steps")}
-    return {**keep, "rows": rows}
+    # the code that trained the models: each `dgr2 pipeline` call that made the run records its commit
+    invocations = run / "invocations.json"
+    calls = json.loads(invocations.read_text(encoding="utf-8")) if invocations.is_file() else []
+    run_commits = list(dict.fromkeys(c["commit"] for c in calls if c.get("commit")))
+    return {**keep, "run_commits": run_commits, "rows": rows}
 
 
 def _ci(c: dict | None) -> str:
@@ -169,7 +173,9 @@ def model_card(metrics: dict, recipe_name: str, recipe_sha: str, info: dict, com
              f"(`{EVIDENCE_FILES['copurchase']}`); item fields for prompts in `{EVIDENCE_FILES['item_fields']}`.",
              *_retrieval_lines(metrics), "",
              "## Recipe", "",
-             f"`{recipe_name}` (sha256 `{recipe_sha}`), run by `dgr2 pipeline`; code at commit `{commit}`.", "",
+             f"`{recipe_name}` (sha256 `{recipe_sha}`), run by `dgr2 pipeline`"
+             + (f" at commit {', '.join(f'`{c}`' for c in metrics['run_commits'])}" if metrics.get("run_commits") else "")
+             + f"; released at commit `{commit}`.", "",
              f"## Metrics ({metrics.get('test_users')} test users; paired bootstrap 95% CIs)", "",
              "| row | valid | Recall@1 | vs retriever | vs AR | NDCG@3 | shipped | model_sha256 |",
              "|---|---|---|---|---|---|---|---|"]

@@ -162,3 +162,27 @@ def test_write_result_records_command_commit_and_date(tmp_path, monkeypatch):
     assert doc["command"] == "dgr2 x" and doc["commit"] == "abc1234" and doc["date"] and doc["value"] == 1
     assert read_results(tmp_path / "res") == {"x": doc}
     assert read_results(tmp_path / "none") == {}
+
+
+def test_a_changed_result_or_model_file_does_not_make_the_code_dirty(tmp_path, monkeypatch):
+    import subprocess
+
+    from candidate_gen.files import current_commit
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    for f in ("code.py", "docs/results/x.json", "models/m/config.json"):
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_text("1")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    monkeypatch.chdir(tmp_path)
+    clean = current_commit()
+    assert len(clean) >= 7 and not clean.endswith("-dirty")
+    (tmp_path / "docs/results/x.json").write_text("2")  # what a command writes: still this commit's code
+    (tmp_path / "models/m/config.json").write_text("2")
+    assert current_commit() == clean
+    (tmp_path / "code.py").write_text("2")
+    assert current_commit() == clean + "-dirty"
