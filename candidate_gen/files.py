@@ -241,9 +241,10 @@ def model_sha256(model_dir: str | os.PathLike) -> str:
     return hashlib.sha256("".join(f"{file_sha256(f)}  {f.name}\n" for f in files).encode()).hexdigest()
 
 
-# What commands write into the repository (results, their rendering, released models): changes there
-# do not make the code "dirty".
-OUTPUT_PATHS = ("docs/results", "docs/BENCHMARKS.md", "docs/plots", "models")
+# What commands compute from does not include these: the docs (results, their rendering, the prose
+# around them) and released models (which results name by their sha256). Changes there do not make
+# the code "dirty".
+OUTPUT_PATHS = ("docs", "README.md", "models")
 
 
 def current_commit() -> str:

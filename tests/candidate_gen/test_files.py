@@ -173,7 +173,7 @@ def test_a_changed_result_or_model_file_does_not_make_the_code_dirty(tmp_path, m
         subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
 
     git("init", "-q")
-    for f in ("code.py", "docs/results/x.json", "models/m/config.json"):
+    for f in ("code.py", "docs/results/x.json", "models/m/config.json", "README.md"):
         (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / f).write_text("1")
     git("add", "-A")
@@ -183,6 +183,7 @@ def test_a_changed_result_or_model_file_does_not_make_the_code_dirty(tmp_path, m
     assert len(clean) >= 7 and not clean.endswith("-dirty")
     (tmp_path / "docs/results/x.json").write_text("2")  # what a command writes: still this commit's code
     (tmp_path / "models/m/config.json").write_text("2")
+    (tmp_path / "README.md").write_text("2")
     assert current_commit() == clean
     (tmp_path / "code.py").write_text("2")
     assert current_commit() == clean + "-dirty"
