@@ -269,6 +269,27 @@ def stages_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
     return out + [""]
 
 
+def pipeline_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
+    """docs/results/pipeline-<name>.json (`dgr2 pipeline --record`): what the run cost.
+
+    Schema: {"stage_seconds" (required): {step: seconds}, "total_seconds", "resumed",
+    "invocations": [{"commit", "argv", "started", "finished", "seconds", "loadavg_start"}],
+    "machine": {"cpu_count", "torch_version", ...}}.
+    """
+    calls = r.get("invocations") or []
+    commits = list(dict.fromkeys(str(c.get("commit")) for c in calls if c.get("commit")))
+    m = r.get("machine") or {}
+    hours = (r.get("total_seconds") or 0) / 3600
+    head = (f"Total {_fmt(r.get('total_seconds'), 0)} s ({hours:.1f} h) of recorded steps over {len(calls)} "
+            "call(s) of the command" + (" (resumed)" if r.get("resumed") else "")
+            + (f", at commit {', '.join(f'`{c}`' for c in commits)}" if commits else "")
+            + f"; {_fmt(m.get('cpu_count'))} CPUs, torch {m.get('torch_version', '?')}. " + provenance(r))
+    out = [f"### {name}", "", head, "",
+           "| step | seconds |", "|---|---|"]
+    out += [f"| {k} | {_fmt(v, 0) if isinstance(v, (int, float)) else '–'} |" for k, v in r["stage_seconds"].items()]
+    return out + [""]
+
+
 def _speed_intro(r: dict) -> str:
     m, s = r.get("machine") or {}, r.get("settings") or {}
     return (f"{_fmt(s.get('n_prompts'))} prompts (mean {_fmt(s.get('mean_prompt_tokens'), 0)} tokens), block size "
@@ -607,10 +628,15 @@ _SPEED_RUN = ("dgr2 speed --ar <ar_dir> --diffusion <diff_dir> --data <data_dir>
 SECTIONS = [
     Section("Retrieval: SASRec (RecBole) + FAISS", "retrieval-", retrieval_section,
             "dgr2 retrieve --config configs/<name>.yaml --results docs/results/retrieval-<name>.json"),
+    Section("Pipeline cost: seconds per step of one run", "pipeline-", pipeline_section,
+            "dgr2 pipeline --config configs/<name>.yaml --out RUN --record docs/results/pipeline-<name>.json"),
     Section("Re-ranking baselines (no language model)", "rerank-baselines-", baselines_section,
             "dgr2 baselines --config configs/<name>.yaml --results docs/results/rerank-baselines-<name>.json"),
     Section("AR re-ranker (GR2)", "rerank-ar-", eval_section,
             "dgr2 eval --model <ar_dir> --data <data_dir> --decoder ar --out docs/results/rerank-ar-<name>.json"),
+    Section("Released student, evaluated from its bundle alone", "rerank-student-", eval_section,
+            "dgr2 eval --model models/<bundle>/student --data models/<bundle> "
+            "--out docs/results/rerank-student-bundle-<name>.json"),
     Section("SID copying diagnostic", "sid-copy-", sid_copy_section,
             "dgr2 sid-copy --model <dir> --data <data_dir> --out docs/results/sid-copy-<name>.json"),
     Section("Diffusion re-ranker after CFT", "diffusion-cft-", eval_section,

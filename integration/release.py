@@ -154,6 +154,11 @@ def _retrieval_lines(metrics: dict) -> list[str]:
     return [x for line in lines for x in ("", line)]  # one paragraph each
 
 
+def _trained_at(metrics: dict) -> str:
+    commits = metrics.get("run_commits") or []
+    return f" at commit {', '.join(f'`{c}`' for c in commits)}" if commits else ""
+
+
 def model_card(metrics: dict, recipe_name: str, recipe_sha: str, info: dict, commit: str, n_test: int,
                sizes: dict[str, int]) -> str:
     rows = metrics["rows"]
@@ -173,8 +178,7 @@ def model_card(metrics: dict, recipe_name: str, recipe_sha: str, info: dict, com
              f"(`{EVIDENCE_FILES['copurchase']}`); item fields for prompts in `{EVIDENCE_FILES['item_fields']}`.",
              *_retrieval_lines(metrics), "",
              "## Recipe", "",
-             f"`{recipe_name}` (sha256 `{recipe_sha}`), run by `dgr2 pipeline`"
-             + (f" at commit {', '.join(f'`{c}`' for c in metrics['run_commits'])}" if metrics.get("run_commits") else "")
+             f"`{recipe_name}` (sha256 `{recipe_sha}`), run by `dgr2 pipeline`" + _trained_at(metrics)
              + f"; released at commit `{commit}`.", "",
              f"## Metrics ({metrics.get('test_users')} test users; paired bootstrap 95% CIs)", "",
              "| row | valid | Recall@1 | vs retriever | vs AR | NDCG@3 | shipped | model_sha256 |",
