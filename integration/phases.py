@@ -197,7 +197,7 @@ def choose_on_validation(where: str, setting, runs: list[dict], data_dir: Path, 
     from reranker.model import average_models
     from reranker.stages.pipeline import model_fingerprint
 
-    from .step_markers import mark_step, step_done, step_hash
+    from .step_markers import mark_step, not_done, step_done, step_hash
 
     c = check_choose(setting, where)
     outputs = [Path(r["output_dir"]) for r in runs]
@@ -214,9 +214,7 @@ def choose_on_validation(where: str, setting, runs: list[dict], data_dir: Path, 
         h = step_hash("average", [model_fingerprint(m) for m in members])
         if not step_done(avg / ".average_done.json", h):
             if not run_missing:
-                from reranker.stages.base import NotDoneError
-
-                raise NotDoneError(f"{where}: the average of the last {k} runs in {avg}: not done with these runs")
+                not_done(f"{where}: the average of the last {k} runs", avg)
             print(f"  {where}: averaging the last {k} runs", flush=True)
             t0 = time.time()
             average_models(members, avg)

@@ -29,19 +29,13 @@ from candidate_gen.files import atomic_write_text, file_sha256, model_sha256
 
 from .config import section
 from .phases import check_model_section, check_stages, choose_on_validation, copy_warmup_specs, phase_specs
-from .step_markers import mark_step, step_done, step_hash
+from .step_markers import mark_step, not_done, step_done, step_hash
 
 log = logging.getLogger(__name__)
 
 
 def _step(name: str, i: int, n: int, msg: str) -> None:
     print(f"[{i}/{n}] {name}: {msg}", flush=True)
-
-
-def _not_done(what: str, where: Path):
-    from reranker.stages.base import NotDoneError
-
-    raise NotDoneError(f"{what} in {where}: not done with these settings and this code")
 
 
 def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: str | None = None,
@@ -79,7 +73,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
         retrieval = json.loads((out / "retrieval" / "metrics.json").read_text())
     else:
         if summary_only:
-            _not_done("retrieval", out / "retrieval")
+            not_done("retrieval", out / "retrieval")
         _step("retrieval", 1, n_steps, "SASRec + FAISS + candidate lists")
         retrieval = run_retrieval(rs)
         mark_step(out / "retrieval" / ".pipeline_done.json", h_ret)
@@ -95,7 +89,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
         _step("data", 2, n_steps, "up to date, skipped")
     else:
         if summary_only:
-            _not_done("re-ranking data", data_dir)
+            not_done("re-ranking data", data_dir)
         _step("data", 2, n_steps, "semantic IDs, tokenizer, teacher traces")
         build_rerank_data(rs.out, items_path, data_dir, seed=seed, **dcfg)
         mark_step(data_dir / ".pipeline_done.json", h_data, seconds=time.time() - t)
@@ -117,7 +111,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     h_init = step_hash("init", h_data, mcfg, seed)
     if not step_done(out / "models" / ".init_done.json", h_init):
         if summary_only:
-            _not_done("initial model", init_dir)
+            not_done("initial model", init_dir)
         init_model(data_dir, init_dir, size=mcfg.get("size", "cpu"), base=mcfg.get("base"), seed=seed,
                    qk_norm_gain=mcfg.get("qk_norm_gain"))
         mark_step(out / "models" / ".init_done.json", h_init)
@@ -154,7 +148,7 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
     h_conv = step_hash("convert", model_fingerprint(ar_dir), block, decode)
     if not step_done(out / "models" / ".naive_done.json", h_conv):
         if summary_only:
-            _not_done("conversion", naive_dir)
+            not_done("conversion", naive_dir)
         _step("convert", 4, n_steps, f"AR -> block diffusion, B = {block}")
         t_conv = time.time()
         convert_to_diffusion(ar_dir, naive_dir, block_size=block, decode=decode)
@@ -414,7 +408,7 @@ def evaluate_rows(rows, data_dir: Path, ecfg: dict, eval_dir: Path, run_missing:
             print(f"  eval {label}: the same weights as {by_key[key]['label']}, its report reused", flush=True)
         else:
             if not run_missing:
-                _not_done(f"evaluation of {label!r} ({model_dir})", path)
+                not_done(f"evaluation of {label!r} ({model_dir})", path)
             engine = RerankEngine.load(model_dir, data_dir)
             rep = evaluate(engine, examples, opts, int(ecfg.get("batch_size", 8)), workers=int(ecfg.get("workers", 1)))
             # model_sha256: the row's model by the sha256 of its weights, as a release names it
@@ -455,7 +449,7 @@ def measure_final_speed(ar_dir: Path, diff_dir: Path, data_dir: Path, scfg: dict
             print("  speed: up to date, skipped", flush=True)
             return cached
     if not run_missing:
-        _not_done("the batch-1 speed measurement", path)
+        not_done("the batch-1 speed measurement", path)
     t0 = time.time()
     examples = load_examples(data_dir / f"{ecfg.get('split', 'test')}.jsonl", int(scfg.get("n_prompts", 8)))
     engine_ar, engine_diff = RerankEngine.load(ar_dir, data_dir), RerankEngine.load(diff_dir, data_dir)

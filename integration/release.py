@@ -27,6 +27,8 @@ from pathlib import Path
 from candidate_gen.files import (atomic_write_json, atomic_write_text, current_commit, file_sha256, model_sha256,
                                  write_dir_atomically)
 
+from .pipeline import read_invocations
+
 RELEASE_FORMAT = "diffusion-gr2/release/v1"
 # The files of a model directory a user needs to load it; everything else a stage leaves there
 # (its done marker, optimizer states, checkpoints) stays in the run.
@@ -128,9 +130,7 @@ def _metrics(summary: dict, run: Path, models: dict[str, Path]) -> dict:
     keep = {k: summary.get(k) for k in ("name", "test_users", "tau", "block_size", "retrieval", "baselines",
                                         "baselines_info", "speed", "stage_optimizer_steps")}
     # the code that trained the models: each `dgr2 pipeline` call that made the run records its commit
-    invocations = run / "invocations.json"
-    calls = json.loads(invocations.read_text(encoding="utf-8")) if invocations.is_file() else []
-    run_commits = list(dict.fromkeys(c["commit"] for c in calls if c.get("commit")))
+    run_commits = list(dict.fromkeys(c["commit"] for c in read_invocations(run) if c.get("commit")))
     return {**keep, "run_commits": run_commits, "rows": rows}
 
 
