@@ -54,6 +54,11 @@ class TeacherLogits:
         idx = None if self.indices is None else self.indices.to(device)
         return TeacherLogits(self.values.to(device), self.lse.to(device), idx)
 
+    def rows(self, start: int, stop: int) -> "TeacherLogits":
+        """The cache at positions start..stop-1 (positions are rows of these tensors)."""
+        idx = None if self.indices is None else self.indices[start:stop]
+        return TeacherLogits(self.values[start:stop], self.lse[start:stop], idx)
+
     @staticmethod
     def cat(parts: list["TeacherLogits"]) -> "TeacherLogits":
         idx = None if parts[0].indices is None else torch.cat([p.indices for p in parts])

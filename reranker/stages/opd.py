@@ -11,6 +11,12 @@ One optimizer step, per prompt of the global batch:
   4. loss     forward KL(teacher || student) averaged over the kept positions of the global batch
               (reverse KL or generalized JSD(β) as options).
 
+Steps 3-4 run REPLAY_ROWS rollouts at a time, each slice's share of the loss back-propagated before
+the next is replayed. The loss is a sum over positions, so the gradient is the same; only the
+memory changes: one replay attends over the prompt, the response and every noisy window of its
+rows, and its saved attention grows with the square of that length, so a rollout that took many
+steps makes the whole pass large (32 rollouts in one replay went past 24 GB on Beauty).
+
 Tokens committed AFTER the first EOS (possible inside the last block, in the same or an earlier
 step than the EOS) are not part of the output and get no loss: the AR teacher was never trained
 past its end-of-turn token, so its distribution there is meaningless, and CFT's EOS fill already
@@ -147,6 +153,11 @@ def load_teacher(path, student_tok, dtype, device):
     return teacher.eval().requires_grad_(False)
 
 
+# Rollouts per replayed forward/backward pass (memory only: the summed loss and its gradient are
+# those of one pass over all rows, up to float round-off).
+REPLAY_ROWS = 8
+
+
 @dataclass
 class Rollouts:
     """One micro-batch of rollouts with the teacher's cache: all that the backward pass needs."""
@@ -167,6 +178,15 @@ class Rollouts:
         # kept tokens per block step: post-EOS commits are not output, so they do not count
         return [self.n_tokens, steps, float(self.teacher_lp.sum()), sum(known), len(known)]
 
+    def row_slices(self, rows: int = REPLAY_ROWS):
+        """(prompts, trajectories, teacher cache) of consecutive slices of `rows` rollouts: the cache
+        is row-major over each rollout's kept positions, so a slice's part is contiguous."""
+        trajs, start = self.result.trajectories, 0
+        for a in range(0, len(trajs), rows):
+            n = sum(t.length for t in trajs[a:a + rows])
+            yield self.prompts[a:a + rows], trajs[a:a + rows], self.cache.rows(start, start + n)
+            start += n
+
 
 def make_rollouts(student, teacher, tok, prompts, cands, cfg, B, mask_id, ids, temperature, generator) -> Rollouts:
     eos, pad = ids
@@ -176,6 +196,21 @@ def make_rollouts(student, teacher, tok, prompts, cands, cfg, B, mask_id, ids, t
                            commit_rule=cfg["commit_rule"])
     cache, tlp = teacher_scores(teacher, prompts, kept_responses(res.trajectories), pad, int(cfg["top_k"]))
     return Rollouts(prompts, res, cache, tlp, valid_json(tok, res.tokens, cands))
+
+
+def replayed_loss(student, r: Rollouts, B, mask_id, pad_id, kind, beta, max_windows, precision, scale=None,
+                  rows=REPLAY_ROWS):
+    """The summed divergence over r's kept positions, replayed `rows` rollouts at a time; with
+    `scale`, each slice's loss * scale is back-propagated as soon as it is computed (so only one
+    slice's graph is alive). Returns the sum as a float."""
+    total = 0.0
+    for prompts, trajs, cache in r.row_slices(rows):
+        with autocast(precision, student.device):
+            loss, _ = opd_loss_sum(student, cache, prompts, trajs, B, mask_id, pad_id, kind, beta, max_windows)
+        if scale is not None:
+            (loss * scale).backward()
+        total += float(loss.detach())
+    return total
 
 
 def summarize(sums, loss_sum) -> dict:
@@ -239,10 +274,9 @@ def train_opd(ctx: StageContext) -> StageResult:
         if mine:
             r = make_rollouts(model, teacher, tok, [prompt(valid[i]) for i in mine], [valid_cands[i] for i in mine],
                               cfg, B, mask_id, ids, 0.0, None)
-            with autocast(cfg["autocast"], device):
-                loss, _ = opd_loss_sum(model, r.cache, r.prompts, r.result.trajectories, B, mask_id, ids[1], kind,
-                                       beta, cfg["replay_max_windows"])
-            sums, loss_sum = r.stats(), float(loss)
+            loss_sum = replayed_loss(model, r, B, mask_id, ids[1], kind, beta, cfg["replay_max_windows"],
+                                     cfg["autocast"])
+            sums = r.stats()
         *sums, loss_sum = D.all_reduce_sum([*sums, loss_sum], device)
         val = summarize(sums, loss_sum)
         run.record_validation(val, val["kl"])
@@ -259,13 +293,8 @@ def train_opd(ctx: StageContext) -> StageResult:
         sums = D.all_reduce_sum([sum(col) for col in zip(*(r.stats() for r in rolls))], device)
         n_global = max(sums[0], 1.0)
         # 3-4. Replay each micro-batch with gradients; its share of the global mean.
-        loss_sum = 0.0
-        for r in rolls:
-            with autocast(cfg["autocast"], device):
-                loss, _ = opd_loss_sum(model, r.cache, r.prompts, r.result.trajectories, B, mask_id, ids[1], kind,
-                                       beta, cfg["replay_max_windows"])
-            (loss / n_global).backward()
-            loss_sum += float(loss.detach())
+        loss_sum = sum(replayed_loss(model, r, B, mask_id, ids[1], kind, beta, cfg["replay_max_windows"],
+                                     cfg["autocast"], scale=1.0 / n_global) for r in rolls)
         D.sum_gradients(model)
         grad_norm, lr = optimizer_step(model, opt, sched, cfg["max_grad_norm"])
         state.step += 1

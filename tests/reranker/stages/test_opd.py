@@ -1,6 +1,7 @@
 """OPD: with B = 1 and the student = the teacher the loss is 0 (acceptance); the teacher pass is
 AR-shift aligned; only kept (through EOS) positions are distilled; the loss is trainable; the stage
 runs end to end, needs a teacher, and resumes after a kill to the same step count and losses."""
+import dataclasses
 import json
 import os
 import signal
@@ -14,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from test_cft import make_cft_world, torchrun_matches_one_process
 from reranker.diffusion import ar_decode
 from reranker.diffusion.convert import convert_to_diffusion, load_diffusion_config
-from reranker.stages.opd import make_rollouts, opd_loss_sum, teacher_scores
+from reranker.stages.opd import kept_responses, make_rollouts, opd_loss_sum, replayed_loss, teacher_scores
 from reranker.stages.pipeline import run_stage
 from reranker.training.batches import token_ids
 from reranker.training.candidates import load_split
@@ -60,6 +61,26 @@ def test_block_size_one_student_equal_to_teacher_has_zero_loss(world, kind, k):
                            token_ids(tok)[1], kind)
     assert n == sum(t.length for t in r.result.trajectories) > 0
     assert abs(float(loss.detach()) / n) < 1e-6
+
+
+def test_replaying_a_few_rollouts_at_a_time_gives_the_same_loss_and_gradient(world):
+    """Training replays REPLAY_ROWS rollouts per backward (memory): the summed loss and the gradient
+    must be those of one pass over every rollout."""
+    student, teacher, tok, r = rollouts(world, 4, seed=2)
+    # rows keeping different numbers of positions (as EOS makes them), so slices of the cache differ
+    trajs = [dataclasses.replace(t, length=t.length - i % 5) for i, t in enumerate(r.result.trajectories)]
+    cache, _ = teacher_scores(teacher, r.prompts, kept_responses(trajs), token_ids(tok)[1])
+    r = dataclasses.replace(r, result=dataclasses.replace(r.result, trajectories=trajs), cache=cache)
+    args = (4, tok.mask_token_id, token_ids(tok)[1], "forward_kl", 0.5, None)
+    loss, _ = opd_loss_sum(student, r.cache, r.prompts, r.result.trajectories, *args)
+    (loss / 7).backward()
+    whole = [p.grad.clone() for p in student.parameters()]
+    student.zero_grad()
+    total = replayed_loss(student, r, *args, "none", scale=1 / 7, rows=3)  # 16 rollouts: slices of 3, 3, ..., 1
+    torch.testing.assert_close(total, float(loss), rtol=1e-5, atol=1e-5)
+    for g, w in zip((p.grad for p in student.parameters()), whole):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    assert sum(len(c) for *_, c in r.row_slices(3)) == len(r.cache)
 
 
 def test_teacher_pass_is_shift_aligned(world):
