@@ -73,6 +73,30 @@ def test_ar_lookup_decoder_writes_the_ar_decoders_answer(parts):
     assert rep["decoder"] == "ar_lookup" and rep["n"] == 3
 
 
+def test_greedy_diffusion_batches_move_rows_independently_with_the_lockstep_answers(parts, monkeypatch):
+    """A greedy batch of more than one row decodes with the independent schedule; its answers are the
+    lockstep decoder's (what each row gets alone), and an approximation option keeps lockstep."""
+    import reranker.engine as engine_module
+    from reranker.diffusion.diffusion_decoder import diffusion_decode
+
+    eng = RerankEngine(parts["dmodel"], parts["dtok"], parts["sids"], parts["meta"], parts["cp"], max_prompt_tokens=4096)
+    reqs = [request(0), request(1), request(2)]
+    opts = DecodeOptions(decoder="diffusion", max_new_tokens=16, tau=0.3)
+    prompts = [eng.prompt_ids(r) for r in reqs]
+    lock = diffusion_decode(parts["dmodel"], prompts, 16, 4, int(eng.diffusion["mask_token_id"]), eng.eos_id,
+                            eng.pad_id, tau=0.3, commit_rule=opts.commit_rule, hold_eos=opts.hold_eos)
+    calls = []
+    real = engine_module.diffusion_decode_independent
+    monkeypatch.setattr(engine_module, "diffusion_decode_independent",
+                        lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
+    tokens, _, _ = eng.decode(prompts, opts)
+    assert calls == [3] and tokens == lock.tokens
+    assert len(eng.rerank(reqs, opts)) == 3 and calls == [3, 3]  # what serving and eval call
+    eng.rerank(reqs, DecodeOptions(decoder="diffusion", max_new_tokens=16, tau=0.3, reuse_settled=True))
+    eng.decode(prompts[:1], opts)
+    assert calls == [3, 3]  # the approximation and the single row went through the lockstep decoder
+
+
 def test_valid_answer_is_parsed_into_the_permutation(parts):
     eng = RerankEngine(parts["model"], parts["tok"], parts["sids"], parts["meta"], parts["cp"], max_prompt_tokens=4096)
     req = request(0)
