@@ -79,7 +79,8 @@ def test_greedy_diffusion_batches_move_rows_independently_with_the_lockstep_answ
     import reranker.engine as engine_module
     from reranker.diffusion.diffusion_decoder import diffusion_decode
 
-    eng = RerankEngine(parts["dmodel"], parts["dtok"], parts["sids"], parts["meta"], parts["cp"], max_prompt_tokens=4096)
+    eng = RerankEngine(parts["dmodel"], parts["dtok"], parts["sids"], parts["meta"], parts["cp"],
+                       max_prompt_tokens=4096)
     reqs = [request(0), request(1), request(2)]
     opts = DecodeOptions(decoder="diffusion", max_new_tokens=16, tau=0.3)
     prompts = [eng.prompt_ids(r) for r in reqs]
@@ -145,7 +146,6 @@ def test_eval_workers_decode_batches_at_once_and_keep_the_order(parts):
     import threading
     import time as _time
 
-    import torch
 
     eng = RerankEngine(parts["model"], parts["tok"], parts["sids"], parts["meta"], parts["cp"], max_prompt_tokens=4096)
     reqs = [request(k) for k in range(6)]
