@@ -314,7 +314,10 @@ def speed_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
     prompt prefill; files before it lack it), "same_tokens_as_ar", "recall@1", "valid_rate",
     "lookup_drafts" (files before it lack it: false)}],
     "exact_decoders" (files before it lack it): [{"decoder" (hf_generate | ar_lookup), the fields of a
-    point but "tau" and "tokens_per_step", "tokens_per_forward", "matches_ar"}]}],
+    point but "tau" and "tokens_per_step", "tokens_per_forward", "matches_ar"}],
+    "ar_compute_dtype" (files before it lack it; null when the diffusion matmuls are float32): AR with the
+    diffusion's matmul precision, {"compute_dtype", the fields of an exact decoder but "matches_ar"}; each
+    point then has "speedup_vs_ar_compute_dtype": stats}],
     "length_curve": [{"length", "batch_size", "ar": {...}, "points": [...]}],
     "forward_cost": {"context", "rows": [{"batch_size", "one_token_ms": stats, "blocks": [{"block_size",
     "ms": stats, "ratio"}]}]} | null,
@@ -339,8 +342,19 @@ def speed_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
                        f"{_fmt(p.get('mean_generated_tokens'), 1)} | {_fmt(p.get('speedup'), 2)} | "
                        f"{_stat(p.get('speedup_paired'), 2)} | {_stat(p.get('decode_speedup_paired'), 2)} | "
                        f"{_fmt(p.get('recall@1'))} | {same} | {_fmt(p.get('valid_rate'))} |")
-        sched = (r.get("settings") or {}).get("schedule", "lockstep")
+        low = row.get("ar_compute_dtype")
+        if low:  # AR in the diffusion's matmul precision, against float32 AR (files before it lack it)
+            out.append(f"| {b} | AR, {low.get('compute_dtype')} matmuls | {_stat(low.get('tokens_per_second'))} | "
+                       f"{_fmt(low.get('forward_passes_per_token'), 3)} | 1 | "
+                       f"{_fmt(low.get('mean_generated_tokens'), 1)} | {_fmt(low.get('speedup'), 2)} | "
+                       f"{_stat(low.get('speedup_paired'), 2)} | "
+                       f"{_stat(low.get('decode_speedup_paired'), 2)} | – | AR's tokens in "
+                       f"{_fmt(low.get('same_tokens_as_ar'), 2)} of rows | – |")
+        settings = r.get("settings") or {}
+        sched = settings.get("schedule", "lockstep")
         sched = "" if sched == "lockstep" else f", {sched} rows"
+        if settings.get("compute_dtype", "float32") != "float32":
+            sched += f", {settings['compute_dtype']} matmuls"
         for p in row.get("points") or []:
             vs = ((acc.get((p.get("tau"), bool(p.get("lookup_drafts")))) or {}).get("vs_ar") or {}).get("recall@1")
             drafts = ", lookup drafts" if p.get("lookup_drafts") else ""
@@ -351,6 +365,13 @@ def speed_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
                        f"{_stat(p.get('speedup_paired'), 2)} | {_stat(p.get('decode_speedup_paired'), 2)} | "
                        f"{_fmt(p.get('recall@1'))} | {_ci(vs) or '–'} | "
                        f"{_fmt(p.get('valid_rate'))} |")
+    lows = [(row.get("batch_size"), p) for row in r["batches"] if row.get("ar_compute_dtype")
+            for p in row.get("points") or []]
+    if lows:
+        dtype = r["batches"][0]["ar_compute_dtype"].get("compute_dtype")
+        out += ["", f"Diffusion against AR with {dtype} matmuls too (per repeat, median [min–max]): "
+                + "; ".join(f"batch {b} τ={_fmt(p.get('tau'), 2)}: {_stat(p.get('speedup_vs_ar_compute_dtype'), 2)}"
+                            for b, p in lows) + "."]
     if not r.get("accuracy"):
         out += ["", "Accuracy per τ: not measured in this file (`dgr2 speed` with `--data` measures it)."]
     else:

@@ -393,7 +393,7 @@ def evaluate_rows(rows, data_dir: Path, ecfg: dict, eval_dir: Path, run_missing:
         opts = _decode_options(ecfg, decoder, model_dir)
         # The resolved options, not the config subset: what a model directory records counts too.
         weights = model_sha256(model_dir)
-        key = step_hash("eval", weights, test_hash, opts.as_dict(),
+        key = step_hash("eval", weights, test_hash, opts.hash_dict(),
                     {k: ecfg.get(k) for k in ("split", "limit", "batch_size")})
         path = eval_dir / f"{label.replace(' ', '_').replace('+', 'p')}.json"
         cached = json.loads(path.read_text()) if path.is_file() else None
@@ -441,7 +441,7 @@ def measure_final_speed(ar_dir: Path, diff_dir: Path, data_dir: Path, scfg: dict
 
     opts = _decode_options(ecfg, "diffusion", diff_dir)
     settings = {k: scfg.get(k) for k in SPEED_KEYS}
-    key = step_hash("speed", model_sha256(ar_dir), model_sha256(diff_dir), settings, opts.as_dict(),
+    key = step_hash("speed", model_sha256(ar_dir), model_sha256(diff_dir), settings, opts.hash_dict(),
                 {k: ecfg.get(k) for k in ("split",)})
     if path.is_file():
         cached = json.loads(path.read_text())
@@ -458,7 +458,7 @@ def measure_final_speed(ar_dir: Path, diff_dir: Path, data_dir: Path, scfg: dict
         batch_sizes=(1,), taus=(opts.tau,), max_new_tokens=opts.max_new_tokens, repeats=int(scfg.get("repeats", 3)),
         warmup=int(scfg.get("warmup", 1)), threads=scfg.get("threads"), lengths=(), forward_blocks=(),
         commit_rule=opts.commit_rule, hold_eos=opts.hold_eos, window=opts.window, reuse_settled=opts.reuse_settled,
-        lookup_drafts=opts.lookup_drafts)
+        lookup_drafts=opts.lookup_drafts, compute_dtype=opts.compute_dtype)
     # the student as it is served: with lookup drafts when it records them (the plain point is timed beside it)
     point = next(p for p in rep["batches"][0]["points"] if p["lookup_drafts"] == opts.lookup_drafts)
     out = {"seconds": time.time() - t0, "batch1_speedup": point["speedup"], "speedup_paired": point["speedup_paired"], "tau": opts.tau,

@@ -28,6 +28,12 @@ from pathlib import Path
 # as ar, fewer forwards: reranker.diffusion.lookup_decoder); diffusion: block diffusion (a converted model)
 DECODERS = ("ar", "ar_lookup", "diffusion")
 COMMIT_RULES = ("confidence", "prefix")  # see reranker.diffusion.forward.commit_confident
+# The matmul precision of a decode: float32, or bfloat16 under torch.autocast (weights, norms, the
+# residual stream and the logits' softmax stay float32; reranker.diffusion.forward.compute_precision).
+# On a CPU with AVX512-BF16 a 32-column block step's matmuls run about 2.5x faster in bfloat16 and a
+# one-token step's slower; the choice changes confidences a little (docs/EXPERIMENTS.md).
+COMPUTE_DTYPES = ("float32", "bfloat16")
+DEFAULT_COMPUTE_DTYPE = "float32"
 DEFAULT_DECODER = "ar"
 DEFAULT_TAU = 0.9
 DEFAULT_COMMIT_RULE = "confidence"  # the paper's rule
@@ -36,7 +42,7 @@ MAX_BLOCK_SIZE = 256
 # The settings a model directory may record (config.json "decode_settings"). block_size is the
 # diffusion config's; max_steps_per_block and seed are run settings, not properties of a model.
 RECORDED = ("decoder", "tau", "commit_rule", "hold_eos", "max_new_tokens", "temperature", "window", "reuse_settled",
-            "lookup_drafts")
+            "lookup_drafts", "compute_dtype")
 MODEL_CONFIG_KEY = "decode_settings"
 
 
@@ -79,6 +85,7 @@ class DecodeOptions:
     reuse_settled: bool = False  # keep the KVs of columns whose input and target are committed
     # diffusion, "prefix" rule: masked inputs hold prompt-lookup drafts; a confirmed draft commits
     lookup_drafts: bool = False
+    compute_dtype: str = DEFAULT_COMPUTE_DTYPE  # matmul precision of the decode (COMPUTE_DTYPES)
 
     def validate(self, prefix: str = "") -> "DecodeOptions":
         """Raises ValueError naming the field (after `prefix`, e.g. "options.") and its value."""
@@ -112,6 +119,8 @@ class DecodeOptions:
             bad("reuse_settled", f"must be true or false, got {self.reuse_settled!r}")
         if not isinstance(self.lookup_drafts, bool):
             bad("lookup_drafts", f"must be true or false, got {self.lookup_drafts!r}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            bad("compute_dtype", f"must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}")
         if self.lookup_drafts and self.decoder == "diffusion" and self.commit_rule != "prefix":
             bad("lookup_drafts", f"needs commit_rule 'prefix' (a draft is confirmed by the token just before it), "
                                  f"got commit_rule {self.commit_rule!r}")
@@ -125,8 +134,15 @@ class DecodeOptions:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def hash_dict(self) -> dict:
+        """The settings a pipeline step's key hashes: every field, except a field added after runs were
+        keyed (KEYED_LATER) while it holds its default, so a finished run's steps keep their keys."""
+        return {k: v for k, v in asdict(self).items() if not (k in KEYED_LATER and v == _DEFAULTS[k])}
+
 
 NAMES = tuple(f.name for f in fields(DecodeOptions))
+_DEFAULTS = {f.name: f.default for f in fields(DecodeOptions)}
+KEYED_LATER = ("compute_dtype",)  # DecodeOptions.hash_dict
 
 
 def _is_number(x) -> bool:
@@ -219,6 +235,9 @@ _HELP = {
                      "position when the token before it confirms its draft; default: the model's recorded setting, "
                      "else off",
     "temperature": "sampling temperature, 0 greedy; default: the model's recorded one, else 0",
+    "compute_dtype": "matmul precision: float32, or bfloat16 under autocast (faster wide steps on CPUs with "
+                     "AVX512-BF16; confidences change a little); default: the model's recorded one, else "
+                     f"{DEFAULT_COMPUTE_DTYPE}",
 }
 
 
@@ -238,6 +257,8 @@ def add_decode_flags(parser: argparse.ArgumentParser, names=FLAGS, help_override
             parser.add_argument(flag, choices=DECODERS, default=None, help=helps[name])
         elif name == "commit_rule":
             parser.add_argument(flag, choices=COMMIT_RULES, default=None, help=helps[name])
+        elif name == "compute_dtype":
+            parser.add_argument(flag, choices=COMPUTE_DTYPES, default=None, help=helps[name])
         elif name in _SWITCHES:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=helps[name])
         else:

@@ -28,6 +28,7 @@ from reranker.decoding import check_workers
 from reranker.diffusion.ar_decoder import ar_decode
 from reranker.diffusion.convert import load_diffusion_config
 from reranker.diffusion.diffusion_decoder import diffusion_decode
+from reranker.diffusion.forward import compute_precision
 from reranker.diffusion.independent_decoder import diffusion_decode_independent
 from reranker.diffusion.lookup_decoder import ar_lookup_decode
 from reranker.text.answer import parse_ranking, permutation_or_fallback
@@ -228,7 +229,12 @@ class RerankEngine:
                              f"{self.max_positions} - max_new_tokens={max_new_tokens})") from None
 
     def decode(self, prompts: list[list[int]], options: DecodeOptions):
-        """Token ids per row and the number of forward passes (the raw decoder call)."""
+        """Token ids per row and the number of forward passes (the raw decoder call), with the
+        matmuls in options.compute_dtype."""
+        with compute_precision(self.model.device, options.compute_dtype):
+            return self._decode(prompts, options)
+
+    def _decode(self, prompts: list[list[int]], options: DecodeOptions):
         gen = torch.Generator(device=self.model.device).manual_seed(options.seed)
         if options.decoder == "ar":
             res = ar_decode(self.model, prompts, options.max_new_tokens, self.eos_id, self.pad_id,

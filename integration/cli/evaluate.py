@@ -36,7 +36,8 @@ def cmd_speed(args) -> int:
         lengths=ints(args.lengths), length_taus=floats(args.length_taus), forward_blocks=ints(args.forward_blocks),
         progress=logging.getLogger("dgr2.speed").info, commit_rule=args.commit_rule, hold_eos=args.hold_eos,
         exact_decoders=[d for d in args.exact_decoders.split(",") if d], schedule=args.schedule,
-        window=args.window, reuse_settled=args.reuse_settled, lookup_drafts=args.lookup_drafts)
+        window=args.window, reuse_settled=args.reuse_settled, lookup_drafts=args.lookup_drafts,
+        compute_dtype=args.compute_dtype)
     print(format_speed(rep))
     if args.out:
         print(f"results written to {args.out}")
@@ -110,7 +111,10 @@ def add_speed(sub) -> None:
                    help="AR-exact decoders timed beside AR on the AR model: Hugging Face generate, prompt-lookup "
                         "drafting ('' for none)")
     add_decode_flags(s, ("block_size", "max_new_tokens", "commit_rule", "hold_eos", "window", "reuse_settled",
-                         "lookup_drafts"))
+                         "lookup_drafts", "compute_dtype"),
+                     {"compute_dtype": "the diffusion decode's matmul precision (default: the model's recorded one, "
+                                       "else float32); AR is timed in float32, and also in this one when it is not "
+                                       "float32, so the faster AR is shown"})
     s.add_argument("--schedule", default="lockstep", choices=["lockstep", "independent"],
                    help="diffusion batches: rows through each block together, or each row through its own")
     s.add_argument("--repeats", type=int, default=5)

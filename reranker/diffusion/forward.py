@@ -4,6 +4,7 @@ Keeping a single code path for "run these columns against this cache under this 
 makes B = 1 block diffusion reproduce AR decoding token for token, and replay reproduce decoding
 (log-probs within float32 round-off).
 """
+import contextlib
 import functools
 import inspect
 import time
@@ -11,7 +12,8 @@ import time
 import torch
 from transformers import DynamicCache
 
-from reranker.decoding import DEFAULT_COMMIT_RULE, check_commit_rule  # the decode settings' one owner
+from reranker.decoding import (COMPUTE_DTYPES, DEFAULT_COMMIT_RULE, DEFAULT_COMPUTE_DTYPE,  # the decode settings'
+                               check_commit_rule)  # one owner
 
 
 def clock(device) -> float:
@@ -27,6 +29,20 @@ def _cache_kwarg(model_class):
     """transformers 5.x renamed `past_key_values` to `cache` (the old name warns, then goes away).
     Looked up once per model class: a signature costs about a tenth of a small model's step."""
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def compute_precision(device, compute_dtype=DEFAULT_COMPUTE_DTYPE):
+    """The context a decode runs its forwards in: nothing for float32; for bfloat16, torch.autocast,
+    so matmuls take bfloat16 inputs while weights, norms, the residual stream and the logits stay
+    float32 (a model cast to bfloat16 whole lost more answers on Beauty's selection lists). Entered
+    once per decode call, not per forward: autocast keeps a weight's bfloat16 copy for as long as
+    the context lasts, so each weight is cast once a call. Autocast is per thread: enter it on the
+    thread that decodes."""
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {compute_dtype!r}")
+    if compute_dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
 
 
 def new_cache(model):

@@ -70,11 +70,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from reranker.decoding import DEFAULT_COMMIT_RULE, DEFAULT_MAX_NEW_TOKENS
+from reranker.decoding import COMPUTE_DTYPES, DEFAULT_COMMIT_RULE, DEFAULT_COMPUTE_DTYPE, DEFAULT_MAX_NEW_TOKENS
 from reranker.diffusion.ar_decoder import ar_decode
 from reranker.diffusion.convert import load_diffusion_config
 from reranker.diffusion.diffusion_decoder import diffusion_decode, prefill
-from reranker.diffusion.forward import crop, forward
+from reranker.diffusion.forward import compute_precision, crop, forward
 from reranker.diffusion.independent_decoder import diffusion_decode_independent
 from reranker.diffusion.lookup_decoder import ar_lookup_decode
 from reranker.diffusion.masks import block_causal_mask, left_pad
@@ -179,9 +179,11 @@ def _draft_variants(lookup_drafts) -> tuple:
 
 def _run(kind, model, prompts, batch_size, max_new_tokens, eos, pad, tau=None, block_size=None,
          mask_token_id=None, max_steps_per_block=None, commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False,
-         schedule="lockstep", window=None, reuse_settled=False, lookup_drafts=False):
+         schedule="lockstep", window=None, reuse_settled=False, lookup_drafts=False,
+         compute_dtype=DEFAULT_COMPUTE_DTYPE):
     """Decode every prompt once in chunks of batch_size; returns timing and counts (and tokens).
-    kind: "ar", "hf_generate", "ar_lookup" or "diffusion"."""
+    kind: "ar", "hf_generate", "ar_lookup" or "diffusion"; compute_dtype: the matmul precision
+    (forward.compute_precision; entering it, and the weight casts it makes, are timed)."""
     seconds, n_forward, rows_per_tok, tokens, row_steps = 0.0, 0, 0.0, [], 0
     prefill_seconds, drafted, accepted = 0.0, 0, 0
     for i in range(0, len(prompts), batch_size):
@@ -190,19 +192,20 @@ def _run(kind, model, prompts, batch_size, max_new_tokens, eos, pad, tau=None, b
         gc.disable()  # no collector pauses inside the timed decode (collected between calls instead)
         try:
             t0 = time.perf_counter()
-            if kind == "ar":
-                res = ar_decode(model, chunk, max_new_tokens, eos, pad, temperature=0.0)
-            elif kind == "hf_generate":
-                res = hf_generate(model, chunk, max_new_tokens, eos, pad)
-            elif kind == "ar_lookup":
-                res = ar_lookup_decode(model, chunk, max_new_tokens, eos, pad)
-            else:  # rows in lockstep through each block, or each row through its own (SCHEDULES)
-                approx = (dict(window=window, reuse_settled=reuse_settled, lookup_drafts=lookup_drafts)
-                          if schedule == "lockstep" else {})
-                decode = diffusion_decode if schedule == "lockstep" else diffusion_decode_independent
-                res = decode(model, chunk, max_new_tokens, block_size, mask_token_id, eos, pad, tau=tau,
-                             temperature=0.0, max_steps_per_block=max_steps_per_block,
-                             commit_rule=commit_rule, hold_eos=hold_eos, **approx)
+            with compute_precision(model.device, compute_dtype):
+                if kind == "ar":
+                    res = ar_decode(model, chunk, max_new_tokens, eos, pad, temperature=0.0)
+                elif kind == "hf_generate":
+                    res = hf_generate(model, chunk, max_new_tokens, eos, pad)
+                elif kind == "ar_lookup":
+                    res = ar_lookup_decode(model, chunk, max_new_tokens, eos, pad)
+                else:  # rows in lockstep through each block, or each row through its own (SCHEDULES)
+                    approx = (dict(window=window, reuse_settled=reuse_settled, lookup_drafts=lookup_drafts)
+                              if schedule == "lockstep" else {})
+                    decode = diffusion_decode if schedule == "lockstep" else diffusion_decode_independent
+                    res = decode(model, chunk, max_new_tokens, block_size, mask_token_id, eos, pad, tau=tau,
+                                 temperature=0.0, max_steps_per_block=max_steps_per_block,
+                                 commit_rule=commit_rule, hold_eos=hold_eos, **approx)
             seconds += time.perf_counter() - t0
         finally:
             if was_enabled:
@@ -239,30 +242,36 @@ def _run(kind, model, prompts, batch_size, max_new_tokens, eos, pad, tau=None, b
 def _interleaved(ar_model, diff_model, prompts, batch_size, taus, max_new_tokens, repeats, warmup, eos, pad,
                  block_size, mask_token_id, max_steps_per_block, exact_length=None, progress=None,
                  commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False, exact_decoders=EXACT_DECODERS,
-                 schedule="lockstep", window=None, reuse_settled=False, lookup_drafts=False):
+                 schedule="lockstep", window=None, reuse_settled=False, lookup_drafts=False,
+                 compute_dtype=DEFAULT_COMPUTE_DTYPE):
     """AR, every exact decoder (on the AR model) and every tau, once per repeat, back to back;
-    returns (ar summary, [exact decoder summaries], [tau summaries]). With lookup_drafts each tau is
-    timed twice, without and with the drafts (each point says which)."""
+    returns (ar summary, [exact decoder summaries], [tau summaries], AR summary at compute_dtype or
+    None). With lookup_drafts each tau is timed twice, without and with the drafts (each point says
+    which). Diffusion runs in compute_dtype; AR and the exact decoders in float32 (the reference, and
+    exactness). When compute_dtype is not float32, AR is also timed in it, so the faster AR is known:
+    its summary has its speed-up over float32 AR, and each point `speedup_vs_ar_compute_dtype`."""
     variants = _draft_variants(lookup_drafts)
-    configs = ([("ar", None, False)] + [(d, None, False) for d in exact_decoders]
-               + [("diffusion", t, v) for t in taus for v in variants])
+    low = compute_dtype != "float32"
+    configs = ([("ar", None, False, "float32")] + [(d, None, False, "float32") for d in exact_decoders]
+               + ([("ar", None, False, compute_dtype)] if low else [])
+               + [("diffusion", t, v, compute_dtype) for t in taus for v in variants])
     runs = {c: [] for c in configs}
     for r in range(warmup + repeats):
         order = configs if r % 2 == 0 else configs[::-1]
-        for kind, tau, drafts in order:
+        for kind, tau, drafts, dtype in order:
             m = diff_model if kind == "diffusion" else ar_model
             res = _run(kind, m, prompts, batch_size, max_new_tokens, eos, pad, tau, block_size, mask_token_id,
-                       max_steps_per_block, commit_rule, hold_eos, schedule, window, reuse_settled, drafts)
+                       max_steps_per_block, commit_rule, hold_eos, schedule, window, reuse_settled, drafts, dtype)
             if exact_length is not None and any(len(t) != exact_length for t in res["tokens"]):
                 got = sorted({len(t) for t in res["tokens"]})
                 raise RuntimeError(f"{kind} decoder did not generate exactly {exact_length} tokens per row with "
                                    f"EOS disabled (eos_token_id={eos}); lengths {got}")
             if r >= warmup:
-                runs[(kind, tau, drafts)].append(res)
+                runs[(kind, tau, drafts, dtype)].append(res)
             if progress:
                 progress(f"b={batch_size} L={max_new_tokens} repeat {r - warmup + 1 if r >= warmup else 'warm-up'} "
-                         f"{kind}{'' if tau is None else f' tau={tau}'}{' lookup drafts' if drafts else ''}: "
-                         f"{res['tokens_per_second']:.1f} tok/s")
+                         f"{kind}{'' if tau is None else f' tau={tau}'}{' lookup drafts' if drafts else ''}"
+                         f"{'' if dtype == 'float32' else f' {dtype}'}: {res['tokens_per_second']:.1f} tok/s")
 
     def summary(rs, kind):
         first = rs[0]
@@ -288,7 +297,7 @@ def _interleaved(ar_model, diff_model, prompts, batch_size, taus, max_new_tokens
                        draft_acceptance=first["accepted_tokens"] / max(first["drafted_tokens"], 1))
         return out
 
-    ar_runs = runs[("ar", None, False)]
+    ar_runs = runs[("ar", None, False, "float32")]
     ar = summary(ar_runs, "ar")
     ar_tokens = ar_runs[0]["tokens"]
 
@@ -306,36 +315,56 @@ def _interleaved(ar_model, diff_model, prompts, batch_size, taus, max_new_tokens
 
     exact = []
     for name in exact_decoders:
-        rs = runs[(name, None, False)]
+        rs = runs[(name, None, False, "float32")]
         p = against_ar(summary(rs, name), rs)
         # an exact decoder must write the AR decoder's greedy tokens on every measured prompt
         p["matches_ar"] = p["same_tokens_as_ar"] == 1.0
         exact.append(p)
+    ar_low = None
+    if low:
+        low_runs = runs[("ar", None, False, compute_dtype)]
+        ar_low = against_ar({"compute_dtype": compute_dtype, **summary(low_runs, "ar")}, low_runs)
     points = []
     for tau in taus:
         for drafts in variants:
-            rs = runs[("diffusion", tau, drafts)]
-            points.append(against_ar({"tau": tau, "lookup_drafts": drafts, **summary(rs, "diffusion")}, rs))
-    return ar, exact, points
+            rs = runs[("diffusion", tau, drafts, compute_dtype)]
+            p = against_ar({"tau": tau, "lookup_drafts": drafts, "compute_dtype": compute_dtype,
+                            **summary(rs, "diffusion")}, rs)
+            if low:  # against AR in the same precision, per repeat (at batch 8 it is the faster AR)
+                p["speedup_vs_ar_compute_dtype"] = stats(d["tokens_per_second"] / a["tokens_per_second"]
+                                                         for d, a in zip(rs, low_runs))
+            points.append(p)
+    return ar, exact, points, ar_low
 
 
 # ------------------------------------------------------------------------------------ forward cost
 
 @torch.no_grad()
 def forward_cost(model, context, batch_sizes=DEFAULT_BATCH_SIZES, block_sizes=DEFAULT_FORWARD_BLOCKS, iters=20,
-                 warmup=3, seed=0, fused=False) -> dict:
+                 warmup=3, seed=0, fused=False, compute_dtype=DEFAULT_COMPUTE_DTYPE) -> dict:
     """Wall time of ONE forward pass against a KV cache of `context` columns: a one-token step (AR)
     vs a block step of each block size (a diffusion denoising step: B noisy columns, bidirectional
     within the block). Masks are built outside the timed region; the step's KVs are cropped after
     it (untimed), so every iteration sees the same cache. Variants are interleaved per iteration.
     With fused=True each block also gets the fused step of 2B columns ([clean window of the previous
     block ; noisy window], what block_step runs when a block has just finished), as fused_ms and
-    fused_ratio. Returns {"context", "iters", "rows": [{"batch_size", "one_token_ms": stats,
-    "blocks": [{"block_size", "ms": stats, "ratio"}]}]} with ratio = median block / median one-token."""
+    fused_ratio. compute_dtype: the block steps' matmul precision (the prefill's too); the one-token
+    step stays float32, AR's reference precision, so a ratio is the cost against the AR step the
+    speed ratios are taken against. Returns {"context", "iters", "warmup", "compute_dtype", "rows":
+    [{"batch_size", "one_token_ms": stats, "blocks": [{"block_size", "ms": stats, "ratio"}]}]} with
+    ratio = median block / median one-token."""
     model.eval()
+    dev = model.device
+    with compute_precision(dev, compute_dtype):  # one context: each weight is cast once (compute_precision)
+        rows = _forward_cost_rows(model, context, batch_sizes, block_sizes, iters, warmup, seed, fused)
+    return {"context": int(context), "iters": iters, "warmup": warmup, "compute_dtype": compute_dtype, "rows": rows}
+
+
+def _forward_cost_rows(model, context, batch_sizes, block_sizes, iters, warmup, seed, fused) -> list:
     dev = model.device
     vocab = model.get_input_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(seed)
+    full = torch.autocast(dev.type, enabled=False)  # the one-token step: float32 inside any autocast
     rows = []
     for b in batch_sizes:
         P = int(context) + 1  # prefill covers P - 1 = context columns
@@ -367,7 +396,8 @@ def forward_cost(model, context, batch_sizes=DEFAULT_BATCH_SIZES, block_sizes=DE
         for it in range(warmup + iters):
             for k, (x, pos, mask) in variants.items():
                 t0 = time.perf_counter()
-                forward(model, x, pos, mask, cache)
+                with full if k == 1 else contextlib.nullcontext():
+                    forward(model, x, pos, mask, cache)
                 dt = time.perf_counter() - t0
                 crop(cache, x.shape[1])
                 if it >= warmup:
@@ -381,7 +411,7 @@ def forward_cost(model, context, batch_sizes=DEFAULT_BATCH_SIZES, block_sizes=DE
                            fused_ratio=float(np.median(times[("fused", B)]) / one))
             blocks.append(row)
         rows.append({"batch_size": b, "one_token_ms": stats(times[1]), "blocks": blocks})
-    return {"context": int(context), "iters": iters, "warmup": warmup, "rows": rows}
+    return rows
 
 
 def training_step_cost(model, batch_size=8, length=640, iters=5, warmup=1, seed=0, settings=("none", "bf16")) -> dict:
@@ -460,7 +490,8 @@ def speedup_ceiling(fc: dict, length: int, steps_per_block=(1, 2)) -> dict:
 
 def accuracy_points(engine_ar, engine_diff, examples, taus, block_size=None, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
                     batch_size=8, progress=False, commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False,
-                    lookup=False, window=None, reuse_settled=False, lookup_drafts=False) -> dict:
+                    lookup=False, window=None, reuse_settled=False, lookup_drafts=False,
+                    compute_dtype=DEFAULT_COMPUTE_DTYPE) -> dict:
     """Recall@1/@3, NDCG@3, valid rate of AR and of diffusion at each tau (reranker.eval.evaluate on
     `examples`), with the paired bootstrap CI of each diffusion point against AR. lookup: also the
     AR model with decoder ar_lookup ("ar_lookup"), with the share of examples whose target it ranks
@@ -488,10 +519,10 @@ def accuracy_points(engine_ar, engine_diff, examples, taus, block_size=None, max
         for drafts in _draft_variants(lookup_drafts):
             opts = DecodeOptions(decoder="diffusion", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
                                  commit_rule=commit_rule, hold_eos=hold_eos, window=window,
-                                 reuse_settled=reuse_settled, lookup_drafts=drafts)
+                                 reuse_settled=reuse_settled, lookup_drafts=drafts, compute_dtype=compute_dtype)
             rep = evaluate(engine_diff, examples, opts, batch_size, progress=progress)
             cmp = compare(ar_ranks, np.asarray(rep["ranks"]))
-            out["diffusion"].append({"tau": tau, "lookup_drafts": drafts, **pick(rep),
+            out["diffusion"].append({"tau": tau, "lookup_drafts": drafts, "compute_dtype": compute_dtype, **pick(rep),
                                      "vs_ar": {k: cmp[k] for k in ("recall@1", "ndcg@3")},
                                      "vs_retriever": rep["vs_retriever"]})
     return out
@@ -505,7 +536,8 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
                   lengths=DEFAULT_LENGTHS, length_taus=DEFAULT_LENGTH_TAUS, length_batch_sizes=None, forward_blocks=DEFAULT_FORWARD_BLOCKS,
                   forward_iters=20, context=None, accuracy=None, accuracy_batch_size=8, progress=None,
                   commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False, exact_decoders=(), schedule="lockstep",
-                  window=None, reuse_settled=False, lookup_drafts=False) -> dict:
+                  window=None, reuse_settled=False, lookup_drafts=False,
+                  compute_dtype=DEFAULT_COMPUTE_DTYPE) -> dict:
     """Side-by-side decode speed of AR (`ar_model`) and block diffusion (`diff_model`) on `prompts`
     (token-id lists). See the module docstring for what each number means.
 
@@ -517,7 +549,8 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
     exact_decoders: the decoders (of EXACT_DECODERS) timed on ar_model beside AR, each with its
     speed-up over AR and whether it wrote AR's tokens (matches_ar). None by default, so callers that
     only want the diffusion ratio (the pipeline's batch-1 figure) do not pay for them; `dgr2 speed`
-    (run_speed_benchmark) times them all unless told otherwise.
+    (run_speed_benchmark) times them all unless told otherwise. compute_dtype: the diffusion
+    decode's matmul precision; when it is not float32, AR is timed in it too (_interleaved).
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
@@ -527,6 +560,8 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
         raise ValueError(f"schedule: must be one of {SCHEDULES}, got {schedule!r}")
     if schedule != "lockstep" and (window is not None or reuse_settled or lookup_drafts):
         raise ValueError("window, reuse_settled and lookup_drafts are options of the lockstep schedule")
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype: must be one of {COMPUTE_DTYPES}, got {compute_dtype!r}")
     exact_decoders = tuple(exact_decoders)
     unknown = [d for d in exact_decoders if d not in EXACT_DECODERS]
     if unknown or len(set(exact_decoders)) < len(exact_decoders):
@@ -555,7 +590,7 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
     kw = dict(eos=eos_token_id, pad=pad_token_id, block_size=block_size, mask_token_id=mask_token_id,
               max_steps_per_block=max_steps_per_block, progress=progress, commit_rule=commit_rule,
               hold_eos=hold_eos, exact_decoders=exact_decoders, schedule=schedule, window=window,
-              reuse_settled=reuse_settled, lookup_drafts=lookup_drafts)
+              reuse_settled=reuse_settled, lookup_drafts=lookup_drafts, compute_dtype=compute_dtype)
     t_start = time.perf_counter()
     gc.collect()
     gc.freeze()  # long-lived objects (models, modules) leave the collector: cheap young-generation passes
@@ -563,28 +598,31 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
         with measured_machine(threads) as machine:
             batches = []
             for b in batch_sizes:
-                ar, exact, points = _interleaved(ar_model, diff_model, prompts, int(b), taus, max_new_tokens, repeats,
-                                                 warmup, **kw)
-                batches.append({"batch_size": int(b), "ar": ar, "exact_decoders": exact, "points": points})
+                ar, exact, points, ar_low = _interleaved(ar_model, diff_model, prompts, int(b), taus, max_new_tokens,
+                                                         repeats, warmup, **kw)
+                batches.append({"batch_size": int(b), "ar": ar, "exact_decoders": exact, "points": points,
+                                "ar_compute_dtype": ar_low})
             length_curve = []
             for L in lengths:
                 for b in (length_batch_sizes or batch_sizes):
-                    ar, exact, points = _interleaved(ar_model, diff_model, prompts, int(b),
+                    ar, exact, points, ar_low = _interleaved(ar_model, diff_model, prompts, int(b),
                                                      tuple(float(t) for t in length_taus), int(L), repeats, warmup,
                                                      **{**kw, "eos": NO_EOS}, exact_length=int(L))
                     length_curve.append({"length": int(L), "batch_size": int(b), "ar": ar, "exact_decoders": exact,
-                                         "points": points})
+                                         "points": points, "ar_compute_dtype": ar_low})
             fwd = None
             if forward_blocks:
                 ctx = int(context or round(float(np.mean([len(p) for p in prompts]))))
-                fwd = forward_cost(diff_model, ctx, batch_sizes, forward_blocks, iters=max(forward_iters, repeats))
+                fwd = forward_cost(diff_model, ctx, batch_sizes, forward_blocks, iters=max(forward_iters, repeats),
+                                   compute_dtype=compute_dtype)
             acc = None
             if accuracy is not None:
                 engine_ar, engine_diff, examples = accuracy
                 acc = accuracy_points(engine_ar, engine_diff, examples, taus, block_size, max_new_tokens,
                                       accuracy_batch_size, commit_rule=commit_rule, hold_eos=hold_eos,
                                       lookup="ar_lookup" in exact_decoders, window=window,
-                                      reuse_settled=reuse_settled, lookup_drafts=lookup_drafts)
+                                      reuse_settled=reuse_settled, lookup_drafts=lookup_drafts,
+                                      compute_dtype=compute_dtype)
                 by_tau = {(p["tau"], p["lookup_drafts"]): p for p in acc["diffusion"]}
                 for row in batches:
                     row["ar"].update({"recall@1": acc["ar"]["recall@1"], "valid_rate": acc["ar"]["valid_rate"]})
@@ -603,7 +641,7 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
                      "max_new_tokens": max_new_tokens, "max_steps_per_block": max_steps_per_block or block_size,
                      "commit_rule": commit_rule, "hold_eos": bool(hold_eos), "exact_decoders": list(exact_decoders),
                      "schedule": schedule, "window": window, "reuse_settled": bool(reuse_settled),
-                     "lookup_drafts": bool(lookup_drafts),
+                     "lookup_drafts": bool(lookup_drafts), "compute_dtype": compute_dtype,
                      "repeats": repeats, "warmup": warmup, "taus": list(taus), "batch_sizes": [int(b) for b in batch_sizes],
                      "lengths": [int(x) for x in lengths], "length_taus": [float(t) for t in length_taus],
                      "n_prompts": len(prompts), "mean_prompt_tokens": float(np.mean([len(p) for p in prompts])),
@@ -680,10 +718,11 @@ def run_speed_benchmark(ar_dir, diff_dir, data_dir, out_json=None, n_prompts=8, 
     engine_diff = RerankEngine.load(diff_dir, data_dir, device=device)
     # settings not given: the diffusion model's recorded ones (reranker.decoding); the taus are a sweep
     given = {k: kw.pop(k, None) for k in ("commit_rule", "hold_eos", "max_new_tokens", "block_size", "window",
-                                          "reuse_settled", "lookup_drafts")}
+                                          "reuse_settled", "lookup_drafts", "compute_dtype")}
     d = engine_diff.decode_options({**given, "decoder": "diffusion"})
     kw.update(commit_rule=d.commit_rule, hold_eos=d.hold_eos, max_new_tokens=d.max_new_tokens,
-              block_size=d.block_size, window=d.window, reuse_settled=d.reuse_settled, lookup_drafts=d.lookup_drafts)
+              block_size=d.block_size, window=d.window, reuse_settled=d.reuse_settled, lookup_drafts=d.lookup_drafts,
+              compute_dtype=d.compute_dtype)
     examples = load_examples(Path(data_dir) / f"{split}.jsonl")
     rep = speed_benchmark_from_engines(engine_ar, engine_diff, examples, n_prompts, accuracy=accuracy,
                                        accuracy_limit=accuracy_limit, **kw)
@@ -764,8 +803,10 @@ def _fmt_stat(s, digits=1) -> str:
 def format_speed(rep: dict) -> str:
     """A plain-text summary of a measure_speed report (what `dgr2 speed` prints)."""
     m, s = rep["machine"], rep["settings"]
-    lines = [f"decode speed, block size {s['block_size']}, {s['n_prompts']} prompts (mean {s['mean_prompt_tokens']:.0f} "
-             f"tokens), max_new_tokens {s['max_new_tokens']}, median [min-max] of {s['repeats']} repeats; "
+    dtype = s.get("compute_dtype", "float32")
+    lines = [f"decode speed, block size {s['block_size']}, diffusion matmuls in {dtype}, {s['n_prompts']} prompts "
+             f"(mean {s['mean_prompt_tokens']:.0f} tokens), max_new_tokens {s['max_new_tokens']}, median [min-max] of "
+             f"{s['repeats']} repeats; "
              f"torch threads {m['torch_threads']}, {m['cpu_count']} CPUs, load {m.get('load_average_start')} -> "
              f"{m.get('load_average_end')}"]
     for row in rep["batches"]:
@@ -784,13 +825,21 @@ def format_speed(rep: dict) -> str:
                          f"{p['forward_passes_per_token']:8.3f} {p['tokens_per_forward']:8.2f} {p['speedup']:8.2f} "
                          f"{_fmt_stat(p['speedup_paired'], 2):>20s} {_fmt_stat(p.get('decode_speedup_paired'), 2):>20s} "
                          f"{r1:>7s} {v:>7s}{same}")
+        low = row.get("ar_compute_dtype")
+        if low:  # AR in the diffusion's matmul precision: its speed-up over float32 AR
+            lines.append(f"         {'AR ' + low['compute_dtype']:>14s} {_fmt_stat(low['tokens_per_second']):>22s} "
+                         f"{low['forward_passes_per_token']:8.3f} {'1':>8s} {low['speedup']:8.2f} "
+                         f"{_fmt_stat(low['speedup_paired'], 2):>20s} "
+                         f"{_fmt_stat(low.get('decode_speedup_paired'), 2):>20s} {'-':>7s} {'-':>7s}"
+                         f"  ({low['same_tokens_as_ar']:.2f} of rows AR's tokens)")
         for p in row["points"]:
             r1, v = acc(p)
             name = f"diffusion {p['tau']:.2f}" + ("+lk" if p.get("lookup_drafts") else "")
+            vs_low = f"  vs AR {low['compute_dtype']}: {_fmt_stat(p['speedup_vs_ar_compute_dtype'], 2)}" if low else ""
             lines.append(f"         {name:>14s} {_fmt_stat(p['tokens_per_second']):>22s} "
                          f"{p['forward_passes_per_token']:8.3f} {p['tokens_per_step']:8.2f} {p['speedup']:8.2f} "
                          f"{_fmt_stat(p['speedup_paired'], 2):>20s} {_fmt_stat(p.get('decode_speedup_paired'), 2):>20s} "
-                         f"{r1:>7s} {v:>7s}")
+                         f"{r1:>7s} {v:>7s}{vs_low}")
     if rep.get("length_curve"):
         lines.append("speed-up vs generated length (EOS disabled; mechanics only):")
         for row in rep["length_curve"]:

@@ -30,21 +30,28 @@ DECODERS = {None: pb.DECODER_UNSPECIFIED, "ar": pb.DECODER_AR, "ar_lookup": pb.D
             "diffusion": pb.DECODER_DIFFUSION}
 COMMIT_RULES = {None: pb.COMMIT_RULE_UNSPECIFIED, "confidence": pb.COMMIT_RULE_CONFIDENCE,
                 "prefix": pb.COMMIT_RULE_PREFIX}
+COMPUTE_DTYPES = {None: pb.COMPUTE_DTYPE_UNSPECIFIED, "float32": pb.COMPUTE_DTYPE_FLOAT32,
+                  "bfloat16": pb.COMPUTE_DTYPE_BFLOAT16}
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20  # the client lets the server decide what is too large
 
 
 def decode_options(decoder: str | None = None, tau: float | None = None, block_size: int | None = None,
                    return_reasoning: bool = False, top_k: int = 0, max_new_tokens: int | None = None,
                    commit_rule: str | None = None, hold_eos: bool | None = None, window: int | None = None,
-                   reuse_settled: bool | None = None, lookup_drafts: bool | None = None) -> pb.DecodeOptions:
+                   reuse_settled: bool | None = None, lookup_drafts: bool | None = None,
+                   compute_dtype: str | None = None) -> pb.DecodeOptions:
     """proto DecodeOptions; None leaves a field unset (the server's default: its flags, else the
     model's recorded setting). The server validates the values."""
     if decoder not in DECODERS:
         raise ValueError(f"decoder must be one of {[k for k in DECODERS if k]} or None, got {decoder!r}")
     if commit_rule not in COMMIT_RULES:
         raise ValueError(f"commit_rule must be one of {[k for k in COMMIT_RULES if k]} or None, got {commit_rule!r}")
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype must be one of {[k for k in COMPUTE_DTYPES if k]} or None, "
+                         f"got {compute_dtype!r}")
     opts = pb.DecodeOptions(decoder=DECODERS[decoder], commit_rule=COMMIT_RULES[commit_rule],
-                            return_reasoning=return_reasoning, top_k=top_k)
+                            compute_dtype=COMPUTE_DTYPES[compute_dtype], return_reasoning=return_reasoning,
+                            top_k=top_k)
     for name, value in (("tau", tau), ("block_size", block_size), ("max_new_tokens", max_new_tokens),
                         ("hold_eos", hold_eos), ("window", window), ("reuse_settled", reuse_settled),
                         ("lookup_drafts", lookup_drafts)):
@@ -91,9 +98,10 @@ class RerankerClient:
                block_size: int | None = None, return_reasoning: bool = False, top_k: int = 0,
                max_new_tokens: int | None = None, timeout: float | None = None, commit_rule: str | None = None,
                hold_eos: bool | None = None, window: int | None = None,
-               reuse_settled: bool | None = None, lookup_drafts: bool | None = None) -> pb.RerankResponse:
+               reuse_settled: bool | None = None, lookup_drafts: bool | None = None,
+               compute_dtype: str | None = None) -> pb.RerankResponse:
         opts = decode_options(decoder, tau, block_size, return_reasoning, top_k, max_new_tokens, commit_rule, hold_eos,
-                              window, reuse_settled, lookup_drafts)
+                              window, reuse_settled, lookup_drafts, compute_dtype)
         return self.send(rerank_request(candidates, history, scores, user_id, opts), timeout)
 
     def send(self, request: pb.RerankRequest, timeout: float | None = None) -> pb.RerankResponse:
@@ -105,9 +113,10 @@ class RerankerClient:
                   return_reasoning: bool = False, top_k: int = 0, max_new_tokens: int | None = None,
                   timeout: float | None = None, commit_rule: str | None = None,
                   hold_eos: bool | None = None, window: int | None = None,
-                  reuse_settled: bool | None = None, lookup_drafts: bool | None = None) -> pb.RecommendResponse:
+                  reuse_settled: bool | None = None, lookup_drafts: bool | None = None,
+                  compute_dtype: str | None = None) -> pb.RecommendResponse:
         opts = decode_options(decoder, tau, block_size, return_reasoning, top_k, max_new_tokens, commit_rule, hold_eos,
-                              window, reuse_settled, lookup_drafts)
+                              window, reuse_settled, lookup_drafts, compute_dtype)
         req = pb.RecommendRequest(user_id=user_id, history=list(history), num_candidates=num_candidates, options=opts)
         return self.stub.Recommend(req, timeout=timeout or self.timeout)
 
@@ -167,7 +176,7 @@ def client_main(argv: Sequence[str] | None = None) -> int:
     decode.add_argument("--history", help="comma-separated item ids, oldest first")
     decode.add_argument("--user", default="")
     names = ("decoder", "tau", "block_size", "commit_rule", "hold_eos", "max_new_tokens", "window", "reuse_settled",
-             "lookup_drafts")
+             "lookup_drafts", "compute_dtype")
     add_decode_flags(decode, names, {n: "unset: the server's default" for n in names})
     decode.add_argument("--reasoning", action="store_true", help="return the reasoning trace")
     decode.add_argument("--top-k", type=int, default=0)
@@ -189,7 +198,7 @@ def client_main(argv: Sequence[str] | None = None) -> int:
             kw = dict(decoder=args.decoder, tau=args.tau, block_size=args.block_size, commit_rule=args.commit_rule,
                       hold_eos=args.hold_eos, return_reasoning=args.reasoning, top_k=args.top_k,
                       max_new_tokens=args.max_new_tokens, window=args.window, reuse_settled=args.reuse_settled,
-                      lookup_drafts=args.lookup_drafts)
+                      lookup_drafts=args.lookup_drafts, compute_dtype=args.compute_dtype)
             if args.call == "rerank":
                 row = _request_file(args.request) if args.request else {}
                 candidates = _ids(args.candidates) or row.get("candidates", [])

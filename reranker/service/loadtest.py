@@ -241,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--decoders", default="ar", help="comma-separated: ar,diffusion")
     p.add_argument("--duration-limit-s", type=float, default=600.0, help="per configuration")
     names = ("tau", "block_size", "commit_rule", "hold_eos", "max_new_tokens", "window", "reuse_settled",
-             "lookup_drafts")
+             "lookup_drafts", "compute_dtype")
     add_decode_flags(p, names, {n: "unset: the server's default" for n in names})
     p.add_argument("--tls-ca")
     p.add_argument("--timeout-s", type=float, default=30.0)
@@ -265,8 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  item_ids=item_ids, tls_ca=args.tls_ca, timeout_s=args.timeout_s)
     if args.overload:
         report["overload"] = overload(targets[decoders[0]], args.requests, args.overload,
-                                      args.overload_methods.split(","), {**options, "decoder": decoders[0]}, args.tls_ca,
-                                      args.timeout_s, item_ids)
+                                      args.overload_methods.split(","), {**options, "decoder": decoders[0]},
+                                      args.tls_ca, args.timeout_s, item_ids)
         for m, ms in report["overload"]["refusal_p99_ms"].items():
             print(f"overload {m}: {report['overload'][m]['codes']}, refusal p99 "
                   + (f"{ms:.1f} ms" if ms is not None else "- (nothing refused)"))

@@ -12,7 +12,7 @@ from ..decoding import DECODERS, DecodeOptions, add_decode_flags, check_recorded
 
 # The decode settings a server may set for requests that send none (the rest are the model's).
 SERVER_DECODE_FLAGS = ("decoder", "tau", "commit_rule", "hold_eos", "temperature", "window", "reuse_settled",
-                       "lookup_drafts")
+                       "lookup_drafts", "compute_dtype")
 # `--max-candidates` when unset: the most candidates whose prompt fits the model's context, at most this.
 CANDIDATES_CAP = 100
 

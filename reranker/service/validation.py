@@ -21,6 +21,7 @@ from .options import ServiceLimits
 # proto enum -> decode setting name (reranker.decoding owns the names; 0, UNSPECIFIED, is unset)
 DECODER_NAMES = {pb.DECODER_AR: "ar", pb.DECODER_AR_LOOKUP: "ar_lookup", pb.DECODER_DIFFUSION: "diffusion"}
 COMMIT_RULE_NAMES = {pb.COMMIT_RULE_CONFIDENCE: "confidence", pb.COMMIT_RULE_PREFIX: "prefix"}
+COMPUTE_DTYPE_NAMES = {pb.COMPUTE_DTYPE_FLOAT32: "float32", pb.COMPUTE_DTYPE_BFLOAT16: "bfloat16"}
 
 
 class ValidationError(ValueError):
@@ -82,6 +83,11 @@ def validate_options(opts: pb.DecodeOptions, limits: ServiceLimits, diffusion_av
             raise ValidationError("options.commit_rule", f"unknown value {opts.commit_rule}; use "
                                                          f"COMMIT_RULE_CONFIDENCE or COMMIT_RULE_PREFIX")
         values["commit_rule"] = COMMIT_RULE_NAMES[opts.commit_rule]
+    if opts.compute_dtype != pb.COMPUTE_DTYPE_UNSPECIFIED:
+        if opts.compute_dtype not in COMPUTE_DTYPE_NAMES:
+            raise ValidationError("options.compute_dtype", f"unknown value {opts.compute_dtype}; use "
+                                                           f"COMPUTE_DTYPE_FLOAT32 or COMPUTE_DTYPE_BFLOAT16")
+        values["compute_dtype"] = COMPUTE_DTYPE_NAMES[opts.compute_dtype]
     for name, cast in (("tau", _wire_float), ("block_size", int), ("max_new_tokens", int), ("hold_eos", bool),
                        ("window", int), ("reuse_settled", bool), ("lookup_drafts", bool)):
         if opts.HasField(name):

@@ -47,6 +47,7 @@ def test_training_rollouts_decode_as_the_student_is_served():
     ("max_steps_per_block", 0, "max_steps_per_block: must be an integer >= 1 or unset, got 0"),
     ("commit_rule", "left", f"commit_rule: must be one of {COMMIT_RULES}, got 'left'"),
     ("hold_eos", "yes", "hold_eos: must be true or false, got 'yes'"),
+    ("compute_dtype", "float16", "compute_dtype: must be one of ('float32', 'bfloat16'), got 'float16'"),
 ])
 def test_one_validation_names_the_field_and_value(field, value, message):
     with pytest.raises(DecodeSettingError) as e:
@@ -57,8 +58,18 @@ def test_one_validation_names_the_field_and_value(field, value, message):
 def test_the_key_is_every_setting():
     base = DecodeOptions(decoder="diffusion")
     for change in ({"commit_rule": "prefix"}, {"hold_eos": True}, {"temperature": 0.5}, {"tau": 0.8},
-                   {"block_size": 8}, {"max_new_tokens": 10}, {"seed": 1}, {"max_steps_per_block": 2}):
+                   {"block_size": 8}, {"max_new_tokens": 10}, {"seed": 1}, {"max_steps_per_block": 2},
+                   {"compute_dtype": "bfloat16"}):
         assert resolve({**base.as_dict(), **change}).key != base.key, change
+
+
+def test_a_setting_keyed_later_enters_step_keys_only_away_from_its_default():
+    """Pipeline steps hash hash_dict(): a finished run keeps its keys when a setting is added, and a run
+    that uses the new setting gets new ones."""
+    base = DecodeOptions(decoder="diffusion", commit_rule="prefix")
+    assert "compute_dtype" not in base.hash_dict()
+    assert base.hash_dict() == {k: v for k, v in base.as_dict().items() if k != "compute_dtype"}
+    assert resolve({**base.as_dict(), "compute_dtype": "bfloat16"}).hash_dict()["compute_dtype"] == "bfloat16"
 
 
 def test_a_model_records_its_settings(tmp_path):

@@ -98,6 +98,29 @@ def test_greedy_diffusion_batches_move_rows_independently_with_the_lockstep_answ
     assert calls == [3, 3]  # the approximation and the single row went through the lockstep decoder
 
 
+@pytest.mark.parametrize("decoder", ["ar", "diffusion"])
+def test_compute_dtype_sets_the_matmul_precision_of_the_decode_only(parts, decoder):
+    """bfloat16 runs the decode's matmuls in bfloat16 (autocast) and leaves nothing behind: the weights
+    stay float32 and a float32 decode afterwards gets float32 matmuls and its own answer again."""
+    model, tok = (parts["model"], parts["tok"]) if decoder == "ar" else (parts["dmodel"], parts["dtok"])
+    eng = RerankEngine(model, tok, parts["sids"], parts["meta"], parts["cp"], max_prompt_tokens=4096)
+    seen = []
+    hook = model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    try:
+        prompts = [eng.prompt_ids(request(0))]
+        full, _, _ = eng.decode(prompts, DecodeOptions(decoder=decoder, max_new_tokens=8))
+        assert seen and set(seen) == {torch.float32}
+        seen.clear()
+        low, _, _ = eng.decode(prompts, DecodeOptions(decoder=decoder, max_new_tokens=8, compute_dtype="bfloat16"))
+        assert seen and set(seen) == {torch.bfloat16}
+        assert len(low[0]) >= 1 and model.dtype == torch.float32
+        seen.clear()
+        again, _, _ = eng.decode(prompts, DecodeOptions(decoder=decoder, max_new_tokens=8))
+        assert set(seen) == {torch.float32} and again == full
+    finally:
+        hook.remove()
+
+
 def test_valid_answer_is_parsed_into_the_permutation(parts):
     eng = RerankEngine(parts["model"], parts["tok"], parts["sids"], parts["meta"], parts["cp"], max_prompt_tokens=4096)
     req = request(0)

@@ -24,33 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x64iffusion_gr2/v1/reranker.proto\x12\x10\x64iffusion_gr2.v1\"\xa9\x03\n\rDecodeOptions\x12*\n\x07\x64\x65\x63oder\x18\x01 \x01(\x0e\x32\x19.diffusion_gr2.v1.Decoder\x12\x10\n\x03tau\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x17\n\nblock_size\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x10return_reasoning\x18\x04 \x01(\x08\x12\r\n\x05top_k\x18\x05 \x01(\r\x12\x1b\n\x0emax_new_tokens\x18\x06 \x01(\rH\x02\x88\x01\x01\x12\x31\n\x0b\x63ommit_rule\x18\x07 \x01(\x0e\x32\x1c.diffusion_gr2.v1.CommitRule\x12\x15\n\x08hold_eos\x18\x08 \x01(\x08H\x03\x88\x01\x01\x12\x13\n\x06window\x18\t \x01(\rH\x04\x88\x01\x01\x12\x1a\n\rreuse_settled\x18\n \x01(\x08H\x05\x88\x01\x01\x12\x1a\n\rlookup_drafts\x18\x0b \x01(\x08H\x06\x88\x01\x01\x42\x06\n\x04_tauB\r\n\x0b_block_sizeB\x11\n\x0f_max_new_tokensB\x0b\n\t_hold_eosB\t\n\x07_windowB\x10\n\x0e_reuse_settledB\x10\n\x0e_lookup_drafts\"+\n\tCandidate\x12\x0f\n\x07item_id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\"\x94\x01\n\rRerankRequest\x12\x0f\n\x07user_id\x18\x01 \x01(\t\x12\x0f\n\x07history\x18\x02 \x03(\t\x12/\n\ncandidates\x18\x03 \x03(\x0b\x32\x1b.diffusion_gr2.v1.Candidate\x12\x30\n\x07options\x18\x04 \x01(\x0b\x32\x1f.diffusion_gr2.v1.DecodeOptions\"U\n\nRankedItem\x12\x0f\n\x07item_id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x15\n\rprevious_rank\x18\x03 \x01(\r\x12\x10\n\x08new_rank\x18\x04 \x01(\r\"\x89\x01\n\x0b\x44\x65\x63odeStats\x12\x0f\n\x07\x64\x65\x63oder\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x16\n\x0e\x66orward_passes\x18\x03 \x01(\r\x12\x12\n\nbatch_size\x18\x04 \x01(\r\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\x12\x11\n\tdecode_ms\x18\x06 \x01(\x01\"\xfa\x01\n\x0eRerankResponse\x12+\n\x05items\x18\x01 \x03(\x0b\x32\x1c.diffusion_gr2.v1.RankedItem\x12\r\n\x05valid\x18\x02 \x01(\x08\x12\x10\n\x08\x66\x61llback\x18\x03 \x01(\x08\x12\x0f\n\x07\x66\x61ilure\x18\x04 \x01(\t\x12\x11\n\treasoning\x18\x05 \x01(\t\x12,\n\x05stats\x18\x06 \x01(\x0b\x32\x1d.diffusion_gr2.v1.DecodeStats\x12\x19\n\x11history_truncated\x18\x07 \x01(\x08\x12\x14\n\x0chistory_used\x18\x08 \x01(\r\x12\x17\n\x0fhistory_unknown\x18\t \x01(\r\"~\n\x10RecommendRequest\x12\x0f\n\x07user_id\x18\x01 \x01(\t\x12\x0f\n\x07history\x18\x02 \x03(\t\x12\x16\n\x0enum_candidates\x18\x03 \x01(\r\x12\x30\n\x07options\x18\x04 \x01(\x0b\x32\x1f.diffusion_gr2.v1.DecodeOptions\"[\n\x11RecommendResponse\x12\x30\n\x06result\x18\x01 \x01(\x0b\x32 .diffusion_gr2.v1.RerankResponse\x12\x14\n\x0cretrieval_ms\x18\x02 \x01(\x01*`\n\x07\x44\x65\x63oder\x12\x17\n\x13\x44\x45\x43ODER_UNSPECIFIED\x10\x00\x12\x0e\n\nDECODER_AR\x10\x01\x12\x15\n\x11\x44\x45\x43ODER_DIFFUSION\x10\x02\x12\x15\n\x11\x44\x45\x43ODER_AR_LOOKUP\x10\x03*]\n\nCommitRule\x12\x1b\n\x17\x43OMMIT_RULE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x43OMMIT_RULE_CONFIDENCE\x10\x01\x12\x16\n\x12\x43OMMIT_RULE_PREFIX\x10\x02\x32\xad\x01\n\x08Reranker\x12K\n\x06Rerank\x12\x1f.diffusion_gr2.v1.RerankRequest\x1a .diffusion_gr2.v1.RerankResponse\x12T\n\tRecommend\x12\".diffusion_gr2.v1.RecommendRequest\x1a#.diffusion_gr2.v1.RecommendResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x64iffusion_gr2/v1/reranker.proto\x12\x10\x64iffusion_gr2.v1\"\xe0\x03\n\rDecodeOptions\x12*\n\x07\x64\x65\x63oder\x18\x01 \x01(\x0e\x32\x19.diffusion_gr2.v1.Decoder\x12\x10\n\x03tau\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x17\n\nblock_size\x18\x03 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x10return_reasoning\x18\x04 \x01(\x08\x12\r\n\x05top_k\x18\x05 \x01(\r\x12\x1b\n\x0emax_new_tokens\x18\x06 \x01(\rH\x02\x88\x01\x01\x12\x31\n\x0b\x63ommit_rule\x18\x07 \x01(\x0e\x32\x1c.diffusion_gr2.v1.CommitRule\x12\x15\n\x08hold_eos\x18\x08 \x01(\x08H\x03\x88\x01\x01\x12\x13\n\x06window\x18\t \x01(\rH\x04\x88\x01\x01\x12\x1a\n\rreuse_settled\x18\n \x01(\x08H\x05\x88\x01\x01\x12\x1a\n\rlookup_drafts\x18\x0b \x01(\x08H\x06\x88\x01\x01\x12\x35\n\rcompute_dtype\x18\x0c \x01(\x0e\x32\x1e.diffusion_gr2.v1.ComputeDtypeB\x06\n\x04_tauB\r\n\x0b_block_sizeB\x11\n\x0f_max_new_tokensB\x0b\n\t_hold_eosB\t\n\x07_windowB\x10\n\x0e_reuse_settledB\x10\n\x0e_lookup_drafts\"+\n\tCandidate\x12\x0f\n\x07item_id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\"\x94\x01\n\rRerankRequest\x12\x0f\n\x07user_id\x18\x01 \x01(\t\x12\x0f\n\x07history\x18\x02 \x03(\t\x12/\n\ncandidates\x18\x03 \x03(\x0b\x32\x1b.diffusion_gr2.v1.Candidate\x12\x30\n\x07options\x18\x04 \x01(\x0b\x32\x1f.diffusion_gr2.v1.DecodeOptions\"U\n\nRankedItem\x12\x0f\n\x07item_id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\x12\x15\n\rprevious_rank\x18\x03 \x01(\r\x12\x10\n\x08new_rank\x18\x04 \x01(\r\"\x89\x01\n\x0b\x44\x65\x63odeStats\x12\x0f\n\x07\x64\x65\x63oder\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x16\n\x0e\x66orward_passes\x18\x03 \x01(\r\x12\x12\n\nbatch_size\x18\x04 \x01(\r\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\x12\x11\n\tdecode_ms\x18\x06 \x01(\x01\"\xfa\x01\n\x0eRerankResponse\x12+\n\x05items\x18\x01 \x03(\x0b\x32\x1c.diffusion_gr2.v1.RankedItem\x12\r\n\x05valid\x18\x02 \x01(\x08\x12\x10\n\x08\x66\x61llback\x18\x03 \x01(\x08\x12\x0f\n\x07\x66\x61ilure\x18\x04 \x01(\t\x12\x11\n\treasoning\x18\x05 \x01(\t\x12,\n\x05stats\x18\x06 \x01(\x0b\x32\x1d.diffusion_gr2.v1.DecodeStats\x12\x19\n\x11history_truncated\x18\x07 \x01(\x08\x12\x14\n\x0chistory_used\x18\x08 \x01(\r\x12\x17\n\x0fhistory_unknown\x18\t \x01(\r\"~\n\x10RecommendRequest\x12\x0f\n\x07user_id\x18\x01 \x01(\t\x12\x0f\n\x07history\x18\x02 \x03(\t\x12\x16\n\x0enum_candidates\x18\x03 \x01(\r\x12\x30\n\x07options\x18\x04 \x01(\x0b\x32\x1f.diffusion_gr2.v1.DecodeOptions\"[\n\x11RecommendResponse\x12\x30\n\x06result\x18\x01 \x01(\x0b\x32 .diffusion_gr2.v1.RerankResponse\x12\x14\n\x0cretrieval_ms\x18\x02 \x01(\x01*`\n\x07\x44\x65\x63oder\x12\x17\n\x13\x44\x45\x43ODER_UNSPECIFIED\x10\x00\x12\x0e\n\nDECODER_AR\x10\x01\x12\x15\n\x11\x44\x45\x43ODER_DIFFUSION\x10\x02\x12\x15\n\x11\x44\x45\x43ODER_AR_LOOKUP\x10\x03*]\n\nCommitRule\x12\x1b\n\x17\x43OMMIT_RULE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x43OMMIT_RULE_CONFIDENCE\x10\x01\x12\x16\n\x12\x43OMMIT_RULE_PREFIX\x10\x02*d\n\x0c\x43omputeDtype\x12\x1d\n\x19\x43OMPUTE_DTYPE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x43OMPUTE_DTYPE_FLOAT32\x10\x01\x12\x1a\n\x16\x43OMPUTE_DTYPE_BFLOAT16\x10\x02\x32\xad\x01\n\x08Reranker\x12K\n\x06Rerank\x12\x1f.diffusion_gr2.v1.RerankRequest\x1a .diffusion_gr2.v1.RerankResponse\x12T\n\tRecommend\x12\".diffusion_gr2.v1.RecommendRequest\x1a#.diffusion_gr2.v1.RecommendResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'diffusion_gr2.v1.reranker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DECODER']._serialized_start=1378
-  _globals['_DECODER']._serialized_end=1474
-  _globals['_COMMITRULE']._serialized_start=1476
-  _globals['_COMMITRULE']._serialized_end=1569
+  _globals['_DECODER']._serialized_start=1433
+  _globals['_DECODER']._serialized_end=1529
+  _globals['_COMMITRULE']._serialized_start=1531
+  _globals['_COMMITRULE']._serialized_end=1624
+  _globals['_COMPUTEDTYPE']._serialized_start=1626
+  _globals['_COMPUTEDTYPE']._serialized_end=1726
   _globals['_DECODEOPTIONS']._serialized_start=54
-  _globals['_DECODEOPTIONS']._serialized_end=479
-  _globals['_CANDIDATE']._serialized_start=481
-  _globals['_CANDIDATE']._serialized_end=524
-  _globals['_RERANKREQUEST']._serialized_start=527
-  _globals['_RERANKREQUEST']._serialized_end=675
-  _globals['_RANKEDITEM']._serialized_start=677
-  _globals['_RANKEDITEM']._serialized_end=762
-  _globals['_DECODESTATS']._serialized_start=765
-  _globals['_DECODESTATS']._serialized_end=902
-  _globals['_RERANKRESPONSE']._serialized_start=905
-  _globals['_RERANKRESPONSE']._serialized_end=1155
-  _globals['_RECOMMENDREQUEST']._serialized_start=1157
-  _globals['_RECOMMENDREQUEST']._serialized_end=1283
-  _globals['_RECOMMENDRESPONSE']._serialized_start=1285
-  _globals['_RECOMMENDRESPONSE']._serialized_end=1376
-  _globals['_RERANKER']._serialized_start=1572
-  _globals['_RERANKER']._serialized_end=1745
+  _globals['_DECODEOPTIONS']._serialized_end=534
+  _globals['_CANDIDATE']._serialized_start=536
+  _globals['_CANDIDATE']._serialized_end=579
+  _globals['_RERANKREQUEST']._serialized_start=582
+  _globals['_RERANKREQUEST']._serialized_end=730
+  _globals['_RANKEDITEM']._serialized_start=732
+  _globals['_RANKEDITEM']._serialized_end=817
+  _globals['_DECODESTATS']._serialized_start=820
+  _globals['_DECODESTATS']._serialized_end=957
+  _globals['_RERANKRESPONSE']._serialized_start=960
+  _globals['_RERANKRESPONSE']._serialized_end=1210
+  _globals['_RECOMMENDREQUEST']._serialized_start=1212
+  _globals['_RECOMMENDREQUEST']._serialized_end=1338
+  _globals['_RECOMMENDRESPONSE']._serialized_start=1340
+  _globals['_RECOMMENDRESPONSE']._serialized_end=1431
+  _globals['_RERANKER']._serialized_start=1729
+  _globals['_RERANKER']._serialized_end=1902
 # @@protoc_insertion_point(module_scope)

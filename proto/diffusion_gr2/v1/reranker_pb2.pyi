@@ -19,6 +19,12 @@ class CommitRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMMIT_RULE_UNSPECIFIED: _ClassVar[CommitRule]
     COMMIT_RULE_CONFIDENCE: _ClassVar[CommitRule]
     COMMIT_RULE_PREFIX: _ClassVar[CommitRule]
+
+class ComputeDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COMPUTE_DTYPE_UNSPECIFIED: _ClassVar[ComputeDtype]
+    COMPUTE_DTYPE_FLOAT32: _ClassVar[ComputeDtype]
+    COMPUTE_DTYPE_BFLOAT16: _ClassVar[ComputeDtype]
 DECODER_UNSPECIFIED: Decoder
 DECODER_AR: Decoder
 DECODER_DIFFUSION: Decoder
@@ -26,9 +32,12 @@ DECODER_AR_LOOKUP: Decoder
 COMMIT_RULE_UNSPECIFIED: CommitRule
 COMMIT_RULE_CONFIDENCE: CommitRule
 COMMIT_RULE_PREFIX: CommitRule
+COMPUTE_DTYPE_UNSPECIFIED: ComputeDtype
+COMPUTE_DTYPE_FLOAT32: ComputeDtype
+COMPUTE_DTYPE_BFLOAT16: ComputeDtype
 
 class DecodeOptions(_message.Message):
-    __slots__ = ("decoder", "tau", "block_size", "return_reasoning", "top_k", "max_new_tokens", "commit_rule", "hold_eos", "window", "reuse_settled", "lookup_drafts")
+    __slots__ = ("decoder", "tau", "block_size", "return_reasoning", "top_k", "max_new_tokens", "commit_rule", "hold_eos", "window", "reuse_settled", "lookup_drafts", "compute_dtype")
     DECODER_FIELD_NUMBER: _ClassVar[int]
     TAU_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +49,7 @@ class DecodeOptions(_message.Message):
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     REUSE_SETTLED_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     decoder: Decoder
     tau: float
     block_size: int
@@ -51,7 +61,8 @@ class DecodeOptions(_message.Message):
     window: int
     reuse_settled: bool
     lookup_drafts: bool
-    def __init__(self, decoder: _Optional[_Union[Decoder, str]] = ..., tau: _Optional[float] = ..., block_size: _Optional[int] = ..., return_reasoning: _Optional[bool] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., commit_rule: _Optional[_Union[CommitRule, str]] = ..., hold_eos: _Optional[bool] = ..., window: _Optional[int] = ..., reuse_settled: _Optional[bool] = ..., lookup_drafts: _Optional[bool] = ...) -> None: ...
+    compute_dtype: ComputeDtype
+    def __init__(self, decoder: _Optional[_Union[Decoder, str]] = ..., tau: _Optional[float] = ..., block_size: _Optional[int] = ..., return_reasoning: _Optional[bool] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., commit_rule: _Optional[_Union[CommitRule, str]] = ..., hold_eos: _Optional[bool] = ..., window: _Optional[int] = ..., reuse_settled: _Optional[bool] = ..., lookup_drafts: _Optional[bool] = ..., compute_dtype: _Optional[_Union[ComputeDtype, str]] = ...) -> None: ...
 
 class Candidate(_message.Message):
     __slots__ = ("item_id", "score")

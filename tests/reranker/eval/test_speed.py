@@ -239,6 +239,31 @@ def test_independent_schedule_is_timed_with_the_same_tokens(parts, monkeypatch):
         measure_speed(parts["model"], parts["dmodel"], parts["prompts"], schedule="ragged", **kw)
 
 
+def test_a_low_precision_diffusion_is_timed_beside_ar_in_both_precisions(parts):
+    """compute_dtype bfloat16: diffusion runs in it, AR in float32 (the reference) and in bfloat16 too,
+    so the faster AR is shown; float32 adds no row. Forward costs keep the one-token step in float32."""
+    kw = dict(batch_sizes=(2,), taus=(0.3,), max_new_tokens=8, repeats=1, warmup=0, threads=1, lengths=(),
+              forward_blocks=(4,), forward_iters=1)
+    low = measure_speed(parts["model"], parts["dmodel"], parts["prompts"], compute_dtype="bfloat16", **kw)
+    row = low["batches"][0]
+    assert low["settings"]["compute_dtype"] == "bfloat16" and low["forward_cost"]["compute_dtype"] == "bfloat16"
+    ar_low, p = row["ar_compute_dtype"], row["points"][0]
+    assert ar_low["compute_dtype"] == "bfloat16" and ar_low["decoder"] == "ar" and ar_low["speedup"] > 0
+    assert p["compute_dtype"] == "bfloat16" and p["speedup_vs_ar_compute_dtype"]["n"] == 1
+    assert "vs AR bfloat16" in format_speed(low)
+    from integration.bench import speed_section
+
+    md = "\n".join(speed_section("x", low))
+    assert "| 2 | AR, bfloat16 matmuls |" in md and "τ=0.30, bfloat16 matmuls" in md
+    assert "Diffusion against AR with bfloat16 matmuls too" in md
+    full = measure_speed(parts["model"], parts["dmodel"], parts["prompts"], **kw)
+    assert full["batches"][0]["ar_compute_dtype"] is None and "speedup_vs_ar_compute_dtype" not in full["batches"][0][
+        "points"][0]
+    assert parts["model"].dtype == torch.float32 and parts["dmodel"].dtype == torch.float32
+    with pytest.raises(ValueError, match="compute_dtype: must be one of"):
+        measure_speed(parts["model"], parts["dmodel"], parts["prompts"], compute_dtype="half", **kw)
+
+
 def test_measure_speed_passes_hold_eos_to_the_decoder(parts, monkeypatch):
     import reranker.eval.speed as speed
 

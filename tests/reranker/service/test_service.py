@@ -255,6 +255,7 @@ BAD = [  # (request fields, field named in the message)
     (dict(candidates=["i01"], options=pb.DecodeOptions(max_new_tokens=10_000)), "options.max_new_tokens"),
     (dict(candidates=["i01"], options=pb.DecodeOptions(decoder=7)), "options.decoder"),
     (dict(candidates=["i01"], options=pb.DecodeOptions(commit_rule=9)), "options.commit_rule"),
+    (dict(candidates=["i01"], options=pb.DecodeOptions(compute_dtype=9)), "options.compute_dtype"),
     (dict(candidates=["i01"], options=pb.DecodeOptions(window=0)), "options.window"),
     (dict(candidates=["i01"], options=pb.DecodeOptions(window=300)), "options.window"),
     (dict(candidates=["i01"], history=["i02", ""]), "history[1]"),
@@ -270,6 +271,61 @@ def test_invalid_argument_names_the_field(client, fields, field):
     code, msg = code_of(lambda: client.send(req))
     assert code == grpc.StatusCode.INVALID_ARGUMENT, msg
     assert msg.startswith(field + ":"), msg
+
+
+def test_compute_dtype_reaches_the_engine_as_its_name(tmp_path, capsys):
+    """options.compute_dtype (an enum) reaches the engine's DecodeOptions as "float32"/"bfloat16";
+    unset: the server's --compute-dtype, else float32. The client, its CLI and the load test send it."""
+    from reranker.decoding import explicit_from_args
+    from reranker.service.client import decode_options
+    from reranker.service.loadtest import main as loadtest_main
+    from reranker.service.options import SERVER_DECODE_FLAGS, add_serve_arguments
+
+    assert decode_options().compute_dtype == pb.COMPUTE_DTYPE_UNSPECIFIED
+    assert decode_options(compute_dtype="bfloat16").compute_dtype == pb.COMPUTE_DTYPE_BFLOAT16
+    assert decode_options(compute_dtype="float32").compute_dtype == pb.COMPUTE_DTYPE_FLOAT32
+    with pytest.raises(ValueError, match="compute_dtype must be one of"):
+        decode_options(compute_dtype="float16")
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)  # `dgr2 serve --compute-dtype`: the default of requests that send none
+    assert explicit_from_args(p.parse_args(["--model", "m", "--compute-dtype", "bfloat16"]),
+                              SERVER_DECODE_FLAGS) == {"compute_dtype": "bfloat16"}
+    items = tmp_path / "items.json"
+    items.write_text(json.dumps(ITEMS))
+    for server_default, unset in ((None, "float32"), ("bfloat16", "bfloat16")):
+        eng = SlowEngine(step_s=0.0)
+        seen = recording(eng)
+        lim = limits(max_new_tokens=1000, decode={"compute_dtype": server_default})
+        with BackgroundServer(eng, config(limits=lim, max_batch=1, max_wait_ms=0)) as srv, \
+                RerankerClient(srv.target) as c:
+            srv.warmed.result(30)
+            del seen[:]  # the warm-up's decodes
+            for sent, want in ((None, unset), ("bfloat16", "bfloat16"), ("float32", "float32")):
+                c.rerank(ITEMS[:3], max_new_tokens=1, compute_dtype=sent)
+                assert seen.pop()[0].compute_dtype == want, (server_default, sent)
+            assert client_main(["rerank", "--target", srv.target, "--candidates", "i01,i02", "--max-new-tokens", "1",
+                                "--compute-dtype", "float32"]) == 0
+            assert seen.pop()[0].compute_dtype == "float32"
+            assert loadtest_main(["--target", srv.target, "--items", str(items), "--n", "2", "--concurrency", "1",
+                                  "--max-new-tokens", "1", "--compute-dtype", "bfloat16"]) == 0
+            assert [o.compute_dtype for o, _ in seen] == ["bfloat16", "bfloat16"]
+    capsys.readouterr()
+
+
+def test_bfloat16_decodes_under_autocast_on_the_decode_thread(engine, client):
+    """The real engine: a bfloat16 request's forwards run under autocast, a float32 one's do not."""
+    autocast = []
+    hook = engine.model.register_forward_pre_hook(
+        lambda module, args: autocast.append(torch.is_autocast_enabled(engine.model.device.type)))
+    try:
+        for dtype in ("bfloat16", "float32"):
+            del autocast[:]
+            resp = client.rerank(ITEMS[:5], history=ITEMS[20:22], decoder="diffusion", max_new_tokens=8,
+                                 compute_dtype=dtype)
+            assert sorted(it.previous_rank for it in resp.items) == [1, 2, 3, 4, 5]
+            assert autocast and set(autocast) == {dtype == "bfloat16"}, (dtype, autocast)
+    finally:
+        hook.remove()
 
 
 def test_message_size_limits(engine):
