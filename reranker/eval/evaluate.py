@@ -66,7 +66,7 @@ def evaluate(engine: RerankEngine, examples: list[dict], options: DecodeOptions,
     report = {
         "n": n, "decoder": options.decoder, "tau": options.tau, "block_size": options.block_size,
         "commit_rule": options.commit_rule, "hold_eos": options.hold_eos, "temperature": options.temperature,
-        "max_new_tokens": options.max_new_tokens,
+        "max_new_tokens": options.max_new_tokens, "compute_dtype": options.compute_dtype,
         "batch_size": batch_size, "workers": workers, **summarize(ranks),
         "valid_rate": valid / max(n, 1), "fallback_rate": 1 - valid / max(n, 1),
         "failures": failures,
