@@ -103,6 +103,19 @@ step speed-independent "$DGR2" speed --ar "$BUNDLE/teacher" --diffusion "$BUNDLE
 step speed-drafts "$DGR2" speed --ar "$BUNDLE/teacher" --diffusion "$BUNDLE/student" --data "$BUNDLE" \
   --batch-sizes 1,8 --taus 0.9 --lookup-drafts --exact-decoders '' --lengths '' --forward-blocks '' \
   --accuracy-limit 500 --out docs/results/diffusion-speed-beauty-drafts.json
+# bfloat16 matmuls for the diffusion decode (AR timed in float32 and in bfloat16 beside it), then both
+# precisions on 64 prompts: 8 prompts hold more of the student's wrong answers, which are its slow
+# ones, than its failure rate gives (docs/EXPERIMENTS.md, "The speed measured on 64 prompts").
+step speed-bfloat16 "$DGR2" speed --ar "$BUNDLE/teacher" --diffusion "$BUNDLE/student" --data "$BUNDLE" \
+  --compute-dtype bfloat16 --taus 0.9 --batch-sizes 1,8 --schedule independent --accuracy-limit 500 \
+  --lengths '' --threads 2 --out docs/results/diffusion-speed-beauty-bfloat16.json
+for dtype in float32 bfloat16; do
+  suffix=$([[ $dtype == float32 ]] && echo "" || echo "-$dtype")
+  step "speed-64prompts$suffix" "$DGR2" speed --ar "$BUNDLE/teacher" --diffusion "$BUNDLE/student" \
+    --data "$BUNDLE" --n-prompts 64 --compute-dtype "$dtype" --taus 0.9 --batch-sizes 1,8 --schedule independent \
+    --exact-decoders ar_lookup --accuracy-limit 500 --lengths '' --forward-blocks '' --threads 2 \
+    --out "docs/results/diffusion-speed-beauty-64prompts$suffix.json"
+done
 # 6. The service under load, one server per model, plus a deliberate overload.
 step loadtest serve_pair
 # 7. RecBole's Trainer.evaluate on every test user: SASRec alone, + AR, + diffusion. One step per
