@@ -30,8 +30,8 @@ DECODERS = ("ar", "ar_lookup", "diffusion")
 COMMIT_RULES = ("confidence", "prefix")  # see reranker.diffusion.forward.commit_confident
 # The matmul precision of a decode: float32, or bfloat16 under torch.autocast (weights, norms, the
 # residual stream and the logits' softmax stay float32; reranker.diffusion.forward.compute_precision).
-# On a CPU with AVX512-BF16 a 32-column block step's matmuls run about 2.5x faster in bfloat16 and a
-# one-token step's slower; the choice changes confidences a little (docs/EXPERIMENTS.md).
+# On a CPU with AVX512-BF16 a 32-column block step's matmuls run several times faster in bfloat16 and
+# a one-token step's slower; the choice changes confidences a little (docs/EXPERIMENTS.md).
 COMPUTE_DTYPES = ("float32", "bfloat16")
 DEFAULT_COMPUTE_DTYPE = "float32"
 DEFAULT_DECODER = "ar"
@@ -59,6 +59,13 @@ def check_commit_rule(rule, name="commit rule") -> None:
     configs); `name` is what the error calls it."""
     if rule not in COMMIT_RULES:
         raise DecodeSettingError(name, f"must be one of {COMMIT_RULES}, got {rule!r}")
+
+
+def check_compute_dtype(dtype, name="compute_dtype") -> None:
+    """The one check of a compute-dtype setting (DecodeOptions.validate, the decoders' precision
+    context, the speed harness); `name` is what the error calls it."""
+    if dtype not in COMPUTE_DTYPES:
+        raise DecodeSettingError(name, f"must be one of {COMPUTE_DTYPES}, got {dtype!r}")
 
 
 def check_workers(workers, name="workers") -> int:
@@ -119,8 +126,7 @@ class DecodeOptions:
             bad("reuse_settled", f"must be true or false, got {self.reuse_settled!r}")
         if not isinstance(self.lookup_drafts, bool):
             bad("lookup_drafts", f"must be true or false, got {self.lookup_drafts!r}")
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            bad("compute_dtype", f"must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}")
+        check_compute_dtype(self.compute_dtype, prefix + "compute_dtype")
         if self.lookup_drafts and self.decoder == "diffusion" and self.commit_rule != "prefix":
             bad("lookup_drafts", f"needs commit_rule 'prefix' (a draft is confirmed by the token just before it), "
                                  f"got commit_rule {self.commit_rule!r}")

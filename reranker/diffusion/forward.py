@@ -12,8 +12,8 @@ import time
 import torch
 from transformers import DynamicCache
 
-from reranker.decoding import (COMPUTE_DTYPES, DEFAULT_COMMIT_RULE, DEFAULT_COMPUTE_DTYPE,  # the decode settings'
-                               check_commit_rule)  # one owner
+from reranker.decoding import (DEFAULT_COMMIT_RULE, DEFAULT_COMPUTE_DTYPE,  # the decode settings' one owner
+                               check_commit_rule, check_compute_dtype)
 
 
 def clock(device) -> float:
@@ -35,11 +35,10 @@ def compute_precision(device, compute_dtype=DEFAULT_COMPUTE_DTYPE):
     """The context a decode runs its forwards in: nothing for float32; for bfloat16, torch.autocast,
     so matmuls take bfloat16 inputs while weights, norms, the residual stream and the logits stay
     float32 (a model cast to bfloat16 whole lost more answers on Beauty's selection lists). Entered
-    once per decode call, not per forward: autocast keeps a weight's bfloat16 copy for as long as
-    the context lasts, so each weight is cast once a call. Autocast is per thread: enter it on the
-    thread that decodes."""
-    if compute_dtype not in COMPUTE_DTYPES:
-        raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {compute_dtype!r}")
+    once per decode call, not per forward: autocast keeps the bfloat16 copy of a weight that
+    requires grad (a loaded model's do) for as long as the context lasts, so each weight is cast once
+    a call. Autocast is per thread: enter it on the thread that decodes."""
+    check_compute_dtype(compute_dtype)
     if compute_dtype == "float32":
         return contextlib.nullcontext()
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)

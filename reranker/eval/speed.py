@@ -70,7 +70,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from reranker.decoding import COMPUTE_DTYPES, DEFAULT_COMMIT_RULE, DEFAULT_COMPUTE_DTYPE, DEFAULT_MAX_NEW_TOKENS
+from reranker.decoding import DEFAULT_COMMIT_RULE, DEFAULT_COMPUTE_DTYPE, DEFAULT_MAX_NEW_TOKENS, check_compute_dtype
 from reranker.diffusion.ar_decoder import ar_decode
 from reranker.diffusion.convert import load_diffusion_config
 from reranker.diffusion.diffusion_decoder import diffusion_decode, prefill
@@ -560,8 +560,7 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
         raise ValueError(f"schedule: must be one of {SCHEDULES}, got {schedule!r}")
     if schedule != "lockstep" and (window is not None or reuse_settled or lookup_drafts):
         raise ValueError("window, reuse_settled and lookup_drafts are options of the lockstep schedule")
-    if compute_dtype not in COMPUTE_DTYPES:
-        raise ValueError(f"compute_dtype: must be one of {COMPUTE_DTYPES}, got {compute_dtype!r}")
+    check_compute_dtype(compute_dtype)
     exact_decoders = tuple(exact_decoders)
     unknown = [d for d in exact_decoders if d not in EXACT_DECODERS]
     if unknown or len(set(exact_decoders)) < len(exact_decoders):
