@@ -378,6 +378,15 @@ def speed_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
         a = r["accuracy"]
         out += ["", f"Accuracy: `reranker.eval.evaluate` on {_fmt(a.get('n'))} {a.get('split', 'test')} users per point "
                     "(greedy; batch size does not change the answers)."]
+        if a.get("timed_prompts"):  # files before it lack it
+            pts = "; ".join(f"diffusion τ={_fmt(p.get('tau'), 2)}"
+                            f"{', lookup drafts' if p.get('lookup_drafts') else ''} "
+                            f"{_fmt(p.get('timed_valid_rate'), 3)} ({_fmt(p.get('valid_rate'), 3)})"
+                            for p in a.get("diffusion") or [])
+            out += ["", f"Valid rate on the {_fmt(a['timed_prompts'])} timed prompts (on all {_fmt(a.get('n'))} "
+                        f"accuracy users): AR {_fmt((a.get('ar') or {}).get('timed_valid_rate'), 3)} "
+                        f"({_fmt((a.get('ar') or {}).get('valid_rate'), 3)}); {pts}. A wrong diffusion answer is a "
+                        "slow one: a timed sample with more of them than the whole understates diffusion's speed."]
     fc = r.get("forward_cost")
     if fc and fc.get("rows"):
         sizes = [b.get("block_size") for b in fc["rows"][0].get("blocks") or []]

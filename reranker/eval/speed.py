@@ -491,11 +491,14 @@ def speedup_ceiling(fc: dict, length: int, steps_per_block=(1, 2)) -> dict:
 def accuracy_points(engine_ar, engine_diff, examples, taus, block_size=None, max_new_tokens=DEFAULT_MAX_NEW_TOKENS,
                     batch_size=8, progress=False, commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False,
                     lookup=False, window=None, reuse_settled=False, lookup_drafts=False,
-                    compute_dtype=DEFAULT_COMPUTE_DTYPE) -> dict:
+                    compute_dtype=DEFAULT_COMPUTE_DTYPE, timed=0) -> dict:
     """Recall@1/@3, NDCG@3, valid rate of AR and of diffusion at each tau (reranker.eval.evaluate on
     `examples`), with the paired bootstrap CI of each diffusion point against AR. lookup: also the
     AR model with decoder ar_lookup ("ar_lookup"), with the share of examples whose target it ranks
-    where AR does (1.0 for an exact decoder)."""
+    where AR does (1.0 for an exact decoder). timed: the first `timed` examples are the prompts the
+    speed runs decoded; every entry then has `timed_valid_rate`, its valid rate on those alone (a
+    wrong answer is a slow one for diffusion, so a timed sample richer in them than the whole
+    understates its speed)."""
     from reranker.engine import DecodeOptions
     from .evaluate import evaluate
     from .metrics import compare
@@ -503,24 +506,30 @@ def accuracy_points(engine_ar, engine_diff, examples, taus, block_size=None, max
     keys = ("recall@1", "recall@3", "ndcg@3", "ndcg@5", "valid_rate", "fallback_rate", "tokens_per_second",
             "mean_generated_tokens", "forward_passes_per_token")
 
-    def pick(rep):
-        return {k: rep.get(k) for k in keys}
+    k = min(int(timed), len(examples))
 
-    ar_rep = evaluate(engine_ar, examples, DecodeOptions(decoder="ar", max_new_tokens=max_new_tokens), batch_size,
-                      progress=progress)
+    def pick(rep):
+        out = {key: rep.get(key) for key in keys}
+        if k:
+            out["timed_valid_rate"] = float(np.mean([o["valid"] for o in rep["outputs"][:k]]))
+        return out
+
+    def run(engine, opts):
+        return evaluate(engine, examples, opts, batch_size, progress=progress, keep_outputs=bool(k))
+
+    ar_rep = run(engine_ar, DecodeOptions(decoder="ar", max_new_tokens=max_new_tokens))
     ar_ranks = np.asarray(ar_rep["ranks"])
-    out = {"n": len(examples), "batch_size": batch_size, "max_new_tokens": max_new_tokens,
+    out = {"n": len(examples), "timed_prompts": k, "batch_size": batch_size, "max_new_tokens": max_new_tokens,
            "ar": {**pick(ar_rep), "vs_retriever": ar_rep["vs_retriever"]}, "diffusion": []}
     if lookup:
-        rep = evaluate(engine_ar, examples, DecodeOptions(decoder="ar_lookup", max_new_tokens=max_new_tokens),
-                       batch_size, progress=progress)
+        rep = run(engine_ar, DecodeOptions(decoder="ar_lookup", max_new_tokens=max_new_tokens))
         out["ar_lookup"] = {**pick(rep), "same_target_rank_as_ar": float(np.mean(np.asarray(rep["ranks"]) == ar_ranks))}
     for tau in taus:
         for drafts in _draft_variants(lookup_drafts):
             opts = DecodeOptions(decoder="diffusion", tau=tau, block_size=block_size, max_new_tokens=max_new_tokens,
                                  commit_rule=commit_rule, hold_eos=hold_eos, window=window,
                                  reuse_settled=reuse_settled, lookup_drafts=drafts, compute_dtype=compute_dtype)
-            rep = evaluate(engine_diff, examples, opts, batch_size, progress=progress)
+            rep = run(engine_diff, opts)
             cmp = compare(ar_ranks, np.asarray(rep["ranks"]))
             out["diffusion"].append({"tau": tau, "lookup_drafts": drafts, "compute_dtype": compute_dtype, **pick(rep),
                                      "vs_ar": {k: cmp[k] for k in ("recall@1", "ndcg@3")},
@@ -537,7 +546,7 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
                   forward_iters=20, context=None, accuracy=None, accuracy_batch_size=8, progress=None,
                   commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False, exact_decoders=(), schedule="lockstep",
                   window=None, reuse_settled=False, lookup_drafts=False,
-                  compute_dtype=DEFAULT_COMPUTE_DTYPE) -> dict:
+                  compute_dtype=DEFAULT_COMPUTE_DTYPE, accuracy_timed=0) -> dict:
     """Side-by-side decode speed of AR (`ar_model`) and block diffusion (`diff_model`) on `prompts`
     (token-id lists). See the module docstring for what each number means.
 
@@ -551,6 +560,8 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
     only want the diffusion ratio (the pipeline's batch-1 figure) do not pay for them; `dgr2 speed`
     (run_speed_benchmark) times them all unless told otherwise. compute_dtype: the diffusion
     decode's matmul precision; when it is not float32, AR is timed in it too (_interleaved).
+    accuracy_timed: how many of the accuracy examples, from the first, are the timed prompts'
+    (speed_benchmark_from_engines builds both from one list); their valid rate is then reported apart.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
@@ -621,16 +632,17 @@ def measure_speed(ar_model, diff_model, prompts, batch_sizes=DEFAULT_BATCH_SIZES
                                       accuracy_batch_size, commit_rule=commit_rule, hold_eos=hold_eos,
                                       lookup="ar_lookup" in exact_decoders, window=window,
                                       reuse_settled=reuse_settled, lookup_drafts=lookup_drafts,
-                                      compute_dtype=compute_dtype)
+                                      compute_dtype=compute_dtype, timed=accuracy_timed)
                 by_tau = {(p["tau"], p["lookup_drafts"]): p for p in acc["diffusion"]}
                 for row in batches:
-                    row["ar"].update({"recall@1": acc["ar"]["recall@1"], "valid_rate": acc["ar"]["valid_rate"]})
+                    row["ar"].update({k: acc["ar"][k] for k in ("recall@1", "valid_rate", "timed_valid_rate")
+                                      if k in acc["ar"]})
                     for p in row["exact_decoders"]:
                         if acc.get(p["decoder"]):  # hf_generate has no engine path: its tokens are checked instead
                             p.update({k: acc[p["decoder"]][k] for k in ("recall@1", "valid_rate")})
                     for p in row["points"]:
                         q = by_tau[(p["tau"], p["lookup_drafts"])]
-                        p.update({"recall@1": q["recall@1"], "valid_rate": q["valid_rate"]})
+                        p.update({k: q[k] for k in ("recall@1", "valid_rate", "timed_valid_rate") if k in q})
     finally:
         gc.unfreeze()
     return {
@@ -692,7 +704,7 @@ def speed_benchmark_from_engines(engine_ar, engine_diff, examples, n_prompts=8, 
     if accuracy:
         acc = (engine_ar, engine_diff, examples[:accuracy_limit] if accuracy_limit else examples)
     return measure_speed(engine_ar.model, engine_diff.model, prompts, eos_token_id=engine_ar.eos_id,
-                         pad_token_id=engine_ar.pad_id, accuracy=acc, **kw)
+                         pad_token_id=engine_ar.pad_id, accuracy=acc, accuracy_timed=len(prompts), **kw)
 
 
 def run_speed_benchmark(ar_dir, diff_dir, data_dir, out_json=None, n_prompts=8, split="test", command=None,
@@ -799,6 +811,17 @@ def _fmt_stat(s, digits=1) -> str:
     return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
 
 
+def timed_validity_line(acc: dict | None) -> str | None:
+    """One sentence: the valid rates on the timed prompts beside those on every accuracy example
+    (accuracy_points' `timed`), or None when the report has none."""
+    if not acc or not acc.get("timed_prompts"):
+        return None
+    pts = "; ".join(f"diffusion τ {p['tau']:.2f}{' lookup drafts' if p.get('lookup_drafts') else ''} "
+                    f"{p['timed_valid_rate']:.3f} ({p['valid_rate']:.3f})" for p in acc["diffusion"])
+    return (f"valid rate on the {acc['timed_prompts']} timed prompts (on all {acc['n']} accuracy users): "
+            f"AR {acc['ar']['timed_valid_rate']:.3f} ({acc['ar']['valid_rate']:.3f}); {pts}")
+
+
 def format_speed(rep: dict) -> str:
     """A plain-text summary of a measure_speed report (what `dgr2 speed` prints)."""
     m, s = rep["machine"], rep["settings"]
@@ -839,6 +862,9 @@ def format_speed(rep: dict) -> str:
                          f"{p['forward_passes_per_token']:8.3f} {p['tokens_per_step']:8.2f} {p['speedup']:8.2f} "
                          f"{_fmt_stat(p['speedup_paired'], 2):>20s} {_fmt_stat(p.get('decode_speedup_paired'), 2):>20s} "
                          f"{r1:>7s} {v:>7s}{vs_low}")
+    timed = timed_validity_line(rep.get("accuracy"))
+    if timed:
+        lines.append(timed)
     if rep.get("length_curve"):
         lines.append("speed-up vs generated length (EOS disabled; mechanics only):")
         for row in rep["length_curve"]:

@@ -143,6 +143,9 @@ def test_run_speed_benchmark_writes_result_with_accuracy(parts, tmp_path, monkey
     assert saved["settings"]["n_prompts"] == 2 and saved["settings"]["block_size"] == 4
     acc = saved["accuracy"]
     assert acc["n"] == 2 and acc["split"] == "test" and [p["tau"] for p in acc["diffusion"]] == [0.9, 1.0]
+    # the timed prompts (here every accuracy user) carry their own valid rate, equal to the whole's here
+    assert acc["timed_prompts"] == 2 and acc["ar"]["timed_valid_rate"] == acc["ar"]["valid_rate"]
+    assert [p["timed_valid_rate"] for p in acc["diffusion"]] == [p["valid_rate"] for p in acc["diffusion"]]
     assert "ci_low" in acc["diffusion"][0]["vs_ar"]["recall@1"]
     for row in saved["batches"]:
         assert 0.0 <= row["ar"]["recall@1"] <= 1.0 and 0.0 <= row["ar"]["valid_rate"] <= 1.0
@@ -164,6 +167,7 @@ def test_run_speed_benchmark_writes_result_with_accuracy(parts, tmp_path, monkey
     md = build_benchmarks(out.parent, tmp_path / "BENCHMARKS.md", tmp_path / "plots").read_text()
     assert saved["command"] in md and "abc1234" in md
     assert "| 1 | hf_generate |" in md and "| 2 | ar_lookup |" in md and "NOT AR's tokens" not in md
+    assert "Valid rate on the 2 timed prompts (on all 2 accuracy users)" in md
     assert (tmp_path / "plots" / "tau-frontier-tiny.png").stat().st_size > 0
     assert (tmp_path / "plots" / "speedup-length-tiny.png").stat().st_size > 0
 
@@ -342,3 +346,25 @@ def test_lookup_drafts_are_timed_beside_the_plain_decoder(parts):
     plain = measure_speed(parts["model"], parts["dmodel"], parts["prompts"], batch_sizes=(1,), taus=(0.9,),
                           max_new_tokens=8, repeats=1, warmup=0, lengths=(), forward_blocks=())
     assert [p["lookup_drafts"] for p in plain["batches"][0]["points"]] == [False]
+
+
+def test_accuracy_reports_the_valid_rate_of_the_timed_prompts_apart(monkeypatch):
+    """timed=k: each entry's timed_valid_rate is its valid rate on the first k examples alone."""
+    import reranker.eval.evaluate as ev
+    from reranker.eval.speed import accuracy_points
+
+    valid = {"ar": [True, True, False, True], "diffusion": [False, True, True, True]}
+
+    def fake(engine, examples, opts, batch_size, progress=False, keep_outputs=False):
+        flags = valid[opts.decoder]
+        rep = {"ranks": [1, 2, 1, 3], "valid_rate": float(np.mean(flags)), "vs_retriever": {}}
+        if keep_outputs:
+            rep["outputs"] = [{"valid": f} for f in flags]
+        return rep
+
+    monkeypatch.setattr(ev, "evaluate", fake)
+    acc = accuracy_points(None, None, [{}] * 4, (0.9,), timed=2)
+    assert acc["timed_prompts"] == 2 and acc["ar"]["timed_valid_rate"] == 1.0 and acc["ar"]["valid_rate"] == 0.75
+    assert acc["diffusion"][0]["timed_valid_rate"] == 0.5
+    untimed = accuracy_points(None, None, [{}] * 4, (0.9,))
+    assert untimed["timed_prompts"] == 0 and "timed_valid_rate" not in untimed["ar"]
