@@ -26,12 +26,14 @@ from proto.diffusion_gr2.v1 import reranker_pb2_grpc as pb_grpc
 from ..decoding import add_decode_flags
 
 # setting name -> proto enum (reranker.decoding owns the names; None leaves the field unset)
-DECODERS = {None: pb.DECODER_UNSPECIFIED, "ar": pb.DECODER_AR, "ar_lookup": pb.DECODER_AR_LOOKUP,
-            "diffusion": pb.DECODER_DIFFUSION}
-COMMIT_RULES = {None: pb.COMMIT_RULE_UNSPECIFIED, "confidence": pb.COMMIT_RULE_CONFIDENCE,
-                "prefix": pb.COMMIT_RULE_PREFIX}
-COMPUTE_DTYPES = {None: pb.COMPUTE_DTYPE_UNSPECIFIED, "float32": pb.COMPUTE_DTYPE_FLOAT32,
-                  "bfloat16": pb.COMPUTE_DTYPE_BFLOAT16}
+ENUM_SETTINGS = {
+    "decoder": {None: pb.DECODER_UNSPECIFIED, "ar": pb.DECODER_AR, "ar_lookup": pb.DECODER_AR_LOOKUP,
+                "diffusion": pb.DECODER_DIFFUSION},
+    "commit_rule": {None: pb.COMMIT_RULE_UNSPECIFIED, "confidence": pb.COMMIT_RULE_CONFIDENCE,
+                    "prefix": pb.COMMIT_RULE_PREFIX},
+    "compute_dtype": {None: pb.COMPUTE_DTYPE_UNSPECIFIED, "float32": pb.COMPUTE_DTYPE_FLOAT32,
+                      "bfloat16": pb.COMPUTE_DTYPE_BFLOAT16},
+}
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20  # the client lets the server decide what is too large
 
 
@@ -42,16 +44,13 @@ def decode_options(decoder: str | None = None, tau: float | None = None, block_s
                    compute_dtype: str | None = None) -> pb.DecodeOptions:
     """proto DecodeOptions; None leaves a field unset (the server's default: its flags, else the
     model's recorded setting). The server validates the values."""
-    if decoder not in DECODERS:
-        raise ValueError(f"decoder must be one of {[k for k in DECODERS if k]} or None, got {decoder!r}")
-    if commit_rule not in COMMIT_RULES:
-        raise ValueError(f"commit_rule must be one of {[k for k in COMMIT_RULES if k]} or None, got {commit_rule!r}")
-    if compute_dtype not in COMPUTE_DTYPES:
-        raise ValueError(f"compute_dtype must be one of {[k for k in COMPUTE_DTYPES if k]} or None, "
-                         f"got {compute_dtype!r}")
-    opts = pb.DecodeOptions(decoder=DECODERS[decoder], commit_rule=COMMIT_RULES[commit_rule],
-                            compute_dtype=COMPUTE_DTYPES[compute_dtype], return_reasoning=return_reasoning,
-                            top_k=top_k)
+    enums = {}
+    for name, value in (("decoder", decoder), ("commit_rule", commit_rule), ("compute_dtype", compute_dtype)):
+        table = ENUM_SETTINGS[name]
+        if value not in table:
+            raise ValueError(f"{name} must be one of {[k for k in table if k]} or None, got {value!r}")
+        enums[name] = table[value]
+    opts = pb.DecodeOptions(**enums, return_reasoning=return_reasoning, top_k=top_k)
     for name, value in (("tau", tau), ("block_size", block_size), ("max_new_tokens", max_new_tokens),
                         ("hold_eos", hold_eos), ("window", window), ("reuse_settled", reuse_settled),
                         ("lookup_drafts", lookup_drafts)):

@@ -19,9 +19,11 @@ from ..engine import RerankRequest, RerankResult
 from .options import ServiceLimits
 
 # proto enum -> decode setting name (reranker.decoding owns the names; 0, UNSPECIFIED, is unset)
-DECODER_NAMES = {pb.DECODER_AR: "ar", pb.DECODER_AR_LOOKUP: "ar_lookup", pb.DECODER_DIFFUSION: "diffusion"}
-COMMIT_RULE_NAMES = {pb.COMMIT_RULE_CONFIDENCE: "confidence", pb.COMMIT_RULE_PREFIX: "prefix"}
-COMPUTE_DTYPE_NAMES = {pb.COMPUTE_DTYPE_FLOAT32: "float32", pb.COMPUTE_DTYPE_BFLOAT16: "bfloat16"}
+ENUM_SETTINGS = {
+    "decoder": {pb.DECODER_AR: "ar", pb.DECODER_AR_LOOKUP: "ar_lookup", pb.DECODER_DIFFUSION: "diffusion"},
+    "commit_rule": {pb.COMMIT_RULE_CONFIDENCE: "confidence", pb.COMMIT_RULE_PREFIX: "prefix"},
+    "compute_dtype": {pb.COMPUTE_DTYPE_FLOAT32: "float32", pb.COMPUTE_DTYPE_BFLOAT16: "bfloat16"},
+}
 
 
 class ValidationError(ValueError):
@@ -73,21 +75,16 @@ def validate_options(opts: pb.DecodeOptions, limits: ServiceLimits, diffusion_av
     `defaults` (the server's: its flags over the model's recorded settings), then the one validation
     of reranker.decoding, with "options." before the field it names."""
     values = {}
-    if opts.decoder != pb.DECODER_UNSPECIFIED:
-        if opts.decoder not in DECODER_NAMES:  # proto3 enums are open: any int can arrive
-            raise ValidationError("options.decoder", f"unknown value {opts.decoder}; use DECODER_AR, "
-                                                     f"DECODER_AR_LOOKUP or DECODER_DIFFUSION")
-        values["decoder"] = DECODER_NAMES[opts.decoder]
-    if opts.commit_rule != pb.COMMIT_RULE_UNSPECIFIED:
-        if opts.commit_rule not in COMMIT_RULE_NAMES:
-            raise ValidationError("options.commit_rule", f"unknown value {opts.commit_rule}; use "
-                                                         f"COMMIT_RULE_CONFIDENCE or COMMIT_RULE_PREFIX")
-        values["commit_rule"] = COMMIT_RULE_NAMES[opts.commit_rule]
-    if opts.compute_dtype != pb.COMPUTE_DTYPE_UNSPECIFIED:
-        if opts.compute_dtype not in COMPUTE_DTYPE_NAMES:
-            raise ValidationError("options.compute_dtype", f"unknown value {opts.compute_dtype}; use "
-                                                           f"COMPUTE_DTYPE_FLOAT32 or COMPUTE_DTYPE_BFLOAT16")
-        values["compute_dtype"] = COMPUTE_DTYPE_NAMES[opts.compute_dtype]
+    for name, names in ENUM_SETTINGS.items():
+        value = getattr(opts, name)
+        if value == 0:  # UNSPECIFIED: not given
+            continue
+        if value not in names:  # proto3 enums are open: any int can arrive
+            enum = opts.DESCRIPTOR.fields_by_name[name].enum_type
+            known = [enum.values_by_number[n].name for n in names]
+            raise ValidationError(f"options.{name}", f"unknown value {value}; use {', '.join(known[:-1])} or "
+                                                     f"{known[-1]}")
+        values[name] = names[value]
     for name, cast in (("tau", _wire_float), ("block_size", int), ("max_new_tokens", int), ("hold_eos", bool),
                        ("window", int), ("reuse_settled", bool), ("lookup_drafts", bool)):
         if opts.HasField(name):
