@@ -19,6 +19,9 @@ teacher, not the student decoded one token at a time):
         --requests models/amazon-beauty/test.jsonl --n 5000 \
         --decoders ar,diffusion --concurrency 1,8,32 --out docs/results/service-load.json
 
+With `--resume-file F`, each finished configuration is appended to F and a later call with the
+same settings reuses it: a call stopped after two hours resumes at the configuration it was in.
+
 A bare `--target HOST:PORT` sends every decoder's requests to that one server. The overload
 (`--n 0 --overload 400`) goes against a server started with a small `--max-queue` and
 `--retrieval`, so that Recommend is refused too.
@@ -27,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
+import os
 import random
 import sys
 import time
@@ -41,7 +46,7 @@ import numpy as np
 from proto.diffusion_gr2.v1 import reranker_pb2 as pb
 from proto.diffusion_gr2.v1 import reranker_pb2_grpc as pb_grpc
 
-from candidate_gen.files import read_jsonl
+from candidate_gen.files import atomic_write_text, file_sha256, read_jsonl
 
 from ..decoding import add_decode_flags, explicit_from_args
 from .client import channel, decode_options, rerank_request
@@ -216,14 +221,75 @@ def loadtest(target: str, requests: str | Path | list[dict] | None = None, n_req
                             timeout_s))
 
 
+def _run_key(target, requests, n_requests, concurrency, duration_limit_s, options, kw) -> dict:
+    """What makes two configurations the same run: a resumed matrix reuses a finished one only if
+    every setting and the requests file's bytes are the same."""
+    def digest(value) -> str:
+        return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    if isinstance(requests, (str, Path)):
+        src = f"file sha256 {file_sha256(requests)}" if Path(requests).is_file() else f"missing file {requests}"
+    else:
+        src = "generated" if requests is None else f"rows {digest(requests)}"
+    return json.loads(json.dumps({"target": target, "requests": src, "n_requests": n_requests,
+                                  "concurrency": concurrency, "duration_limit_s": duration_limit_s,
+                                  "options": options, **{k: digest(v) for k, v in sorted(kw.items())}}))
+
+
+def read_finished_runs(path: Path) -> list[dict]:
+    """The {key, run} lines of a resume file; a last line cut short by a kill is dropped."""
+    if not path.is_file():
+        return []
+    out = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for i, line in enumerate(lines, 1):
+        try:
+            entry = json.loads(line)
+            if not (isinstance(entry, dict) and isinstance(entry.get("key"), dict)
+                    and isinstance(entry.get("run"), dict)):
+                raise ValueError("not a {key, run} object")
+        except ValueError as e:
+            if i == len(lines):  # cut off, so that the next run's line starts on a line of its own
+                print(f"{path}:{i}: an unfinished last line, dropped ({e})", file=sys.stderr)
+                atomic_write_text(path, "".join(line + "\n" for line in lines[:-1]))
+                continue
+            raise ValueError(f"{path}:{i}: not a loadtest resume line ({e}); delete the file to start over") from None
+        out.append(entry)
+    return out
+
+
 def loadtest_matrix(target: str | dict, requests=None, n_requests: int = 5000, decoders=("ar", "diffusion"),
                     concurrencies=(1, 8, 32), duration_limit_s: float = 600.0, options: dict | None = None,
-                    **kw) -> dict:
+                    resume_file: str | Path | None = None, **kw) -> dict:
     """loadtest for every decoder x concurrency; adds diffusion/AR QPS ratios per concurrency.
-    target: one server for every decoder, or {decoder: server} (parse_targets)."""
+    target: one server for every decoder, or {decoder: server} (parse_targets).
+    resume_file: each finished configuration is appended there, and a later call with the same
+    settings reuses it instead of sending its requests again (a matrix of 5,000 requests per
+    configuration runs for hours on a CPU; a killed call resumes at the configuration it was in).
+    Each run records when it finished (`finished_utc`), so a resumed report shows its spread."""
     targets = target if isinstance(target, dict) else {d: target for d in decoders}
-    runs = [loadtest(targets[d], requests, n_requests, c, duration_limit_s, {**(options or {}), "decoder": d}, **kw)
-            for d in decoders for c in concurrencies]
+    resume = Path(resume_file) if resume_file else None
+    finished = read_finished_runs(resume) if resume else []
+    runs = []
+    for d in decoders:
+        for c in concurrencies:
+            opts = {**(options or {}), "decoder": d}
+            key = _run_key(targets[d], requests, n_requests, c, duration_limit_s, opts, kw)
+            done = next((e["run"] for e in finished if e["key"] == key), None)
+            if done is not None:
+                print(f"{d} c={c}: finished at {done.get('finished_utc')}, reused from {resume}", flush=True)
+                runs.append(done)
+                continue
+            print(f"{d} c={c}: {n_requests} requests to {targets[d]}", flush=True)
+            run = loadtest(targets[d], requests, n_requests, c, duration_limit_s, opts, **kw)
+            run["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            runs.append(run)
+            if resume:
+                resume.parent.mkdir(parents=True, exist_ok=True)
+                with resume.open("a", encoding="utf-8") as f:  # one line per run: a kill loses at most the last
+                    f.write(json.dumps({"key": key, "run": run}) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
     qps = {(r["options"]["decoder"], r["concurrency"]): r["qps"] for r in runs}
     ratios = {str(c): qps[("diffusion", c)] / qps[("ar", c)] for c in concurrencies
               if qps.get(("ar", c)) and ("diffusion", c) in qps}
@@ -250,6 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "overload of a server started with a small --max-queue) and report the refusals")
     p.add_argument("--overload-methods", default="Rerank,Recommend", help="Recommend needs `serve --retrieval`")
     p.add_argument("--out", help="write the report as a docs/results JSON file")
+    p.add_argument("--resume-file", help="JSONL of finished configurations: appended as each finishes, and a "
+                                         "later call with the same settings reuses them (resume after a kill)")
     args = p.parse_args(argv)
     decoders = args.decoders.split(",")
     try:
@@ -262,7 +330,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.n > 0:  # --n 0: the overload alone
         report = loadtest_matrix(targets, args.requests, args.n, decoders,
                                  [int(c) for c in args.concurrency.split(",")], args.duration_limit_s, options,
-                                 item_ids=item_ids, tls_ca=args.tls_ca, timeout_s=args.timeout_s)
+                                 resume_file=args.resume_file, item_ids=item_ids, tls_ca=args.tls_ca,
+                                 timeout_s=args.timeout_s)
     if args.overload:
         report["overload"] = overload(targets[decoders[0]], args.requests, args.overload,
                                       args.overload_methods.split(","), {**options, "decoder": decoders[0]},

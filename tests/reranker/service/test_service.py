@@ -536,6 +536,38 @@ def test_loadtest_matrix_sends_each_decoder_to_its_own_server(dirs, server):
     assert set(rep["diffusion_over_ar_qps"]) == {"2"}
 
 
+
+def test_a_resumed_loadtest_matrix_reuses_finished_configurations_only(server, tmp_path, monkeypatch, capsys):
+    """A killed matrix resumes at the configuration it was in: finished ones are read back from the
+    resume file (not sent again), a changed setting runs anew, a line cut short by the kill is
+    dropped, and a corrupt line elsewhere names the file and line."""
+    from reranker.service import loadtest as lt
+
+    resume = tmp_path / "runs.jsonl"
+    kw = dict(decoders=("diffusion",), concurrencies=(1, 2), duration_limit_s=60, options={"max_new_tokens": 4},
+              item_ids=ITEMS, resume_file=resume)
+    first = lt.loadtest_matrix(server.target, None, n_requests=3, **kw)
+    assert [r["ok"] for r in first["runs"]] == [3, 3] and all(r["finished_utc"] for r in first["runs"])
+    assert len(resume.read_text().splitlines()) == 2
+    with resume.open("a") as f:
+        f.write('{"key": {"target"')  # a kill mid-line
+
+    def no_requests(*a, **k):
+        raise AssertionError("a finished configuration was sent again")
+
+    with monkeypatch.context() as m:
+        m.setattr(lt, "loadtest", no_requests)
+        again = lt.loadtest_matrix(server.target, None, n_requests=3, **kw)
+    assert again["runs"] == first["runs"]
+    assert "unfinished last line, dropped" in capsys.readouterr().err
+    more = lt.loadtest_matrix(server.target, None, n_requests=4, **kw)  # another setting: sent
+    assert [r["requests_sent"] for r in more["runs"]] == [4, 4]
+    lines = resume.read_text().splitlines()
+    assert len(lines) == 4 and all(json.loads(line)["run"] for line in lines)
+    resume.write_text("\n".join([lines[0], "not json", *lines[1:]]) + "\n")
+    with pytest.raises(ValueError, match=r"runs.jsonl:2: not a loadtest resume line"):
+        lt.loadtest_matrix(server.target, None, n_requests=3, **kw)
+
 # ---- Recommend: a real RecBole SASRec + FAISS index over the same 30 items ---------------------
 TINY_SASREC = {"epochs": 1, "hidden_size": 16, "inner_size": 32, "n_layers": 1, "n_heads": 1,
                "train_batch_size": 256, "MAX_ITEM_LIST_LENGTH": 10, "show_progress": False}
