@@ -2,6 +2,8 @@
 # After `dgr2 pipeline --config configs/beauty.yaml --out RUN` has finished: the stage table, the
 # release bundle, and every published measurement of the released pair, in order. Each step leaves
 # a marker in RUN/publish/, so a killed call resumes at the step it was in (FORCE=1 redoes them all).
+# When the run's models change (a recipe step rerun), move RUN/publish aside first: every step then
+# runs again in order, starting with the archiving of the earlier release's result files.
 # Run it from the repository root on an otherwise idle machine (the speed and load figures are
 # timings):
 #
@@ -89,6 +91,15 @@ step eval-bundle "$DGR2" eval --model "$BUNDLE/student" --data "$BUNDLE" \
 #    poorly over two threads here), then the independent-rows schedule at batch 8.
 step speed "$DGR2" speed --ar "$BUNDLE/teacher" --diffusion "$BUNDLE/student" --data "$BUNDLE" \
   --batch-sizes 1,8 --taus 0.9,0.8,0.6 --accuracy-limit 500 --out docs/results/diffusion-speed-beauty.json
+# Both precisions on 64 prompts first: 8 prompts can hold more of the student's wrong answers, which
+# are its slow ones, than its failure rate gives (docs/EXPERIMENTS.md, "The speed measured on 64 prompts").
+for dtype in float32 bfloat16; do
+  suffix=$([[ $dtype == float32 ]] && echo "" || echo "-$dtype")
+  step "speed-64prompts$suffix" "$DGR2" speed --ar "$BUNDLE/teacher" --diffusion "$BUNDLE/student" \
+    --data "$BUNDLE" --n-prompts 64 --compute-dtype "$dtype" --taus 0.9 --batch-sizes 1,8 --schedule independent \
+    --exact-decoders ar_lookup --accuracy-limit 500 --lengths '' --forward-blocks '' --threads 2 \
+    --out "docs/results/diffusion-speed-beauty-64prompts$suffix.json"
+done
 step speed-1-thread "$DGR2" speed --ar "$BUNDLE/teacher" --diffusion "$BUNDLE/student" --data "$BUNDLE" \
   --threads 1 --batch-sizes 1,8 --taus 0.9 --no-accuracy --lengths '' --forward-blocks '' \
   --out docs/results/diffusion-speed-beauty-1thread.json
@@ -108,19 +119,10 @@ step speed-independent "$DGR2" speed --ar "$BUNDLE/teacher" --diffusion "$BUNDLE
 step speed-drafts "$DGR2" speed --ar "$BUNDLE/teacher" --diffusion "$BUNDLE/student" --data "$BUNDLE" \
   --batch-sizes 1,8 --taus 0.9 --lookup-drafts --exact-decoders '' --lengths '' --forward-blocks '' \
   --accuracy-limit 500 --out docs/results/diffusion-speed-beauty-drafts.json
-# bfloat16 matmuls for the diffusion decode (AR timed in float32 and in bfloat16 beside it), then both
-# precisions on 64 prompts: 8 prompts hold more of the student's wrong answers, which are its slow
-# ones, than its failure rate gives (docs/EXPERIMENTS.md, "The speed measured on 64 prompts").
+# bfloat16 matmuls for the diffusion decode on the 8 prompts (AR timed in float32 and in bfloat16 beside it).
 step speed-bfloat16 "$DGR2" speed --ar "$BUNDLE/teacher" --diffusion "$BUNDLE/student" --data "$BUNDLE" \
   --compute-dtype bfloat16 --taus 0.9 --batch-sizes 1,8 --schedule independent --accuracy-limit 500 \
   --lengths '' --threads 2 --out docs/results/diffusion-speed-beauty-bfloat16.json
-for dtype in float32 bfloat16; do
-  suffix=$([[ $dtype == float32 ]] && echo "" || echo "-$dtype")
-  step "speed-64prompts$suffix" "$DGR2" speed --ar "$BUNDLE/teacher" --diffusion "$BUNDLE/student" \
-    --data "$BUNDLE" --n-prompts 64 --compute-dtype "$dtype" --taus 0.9 --batch-sizes 1,8 --schedule independent \
-    --exact-decoders ar_lookup --accuracy-limit 500 --lengths '' --forward-blocks '' --threads 2 \
-    --out "docs/results/diffusion-speed-beauty-64prompts$suffix.json"
-done
 # 6. The service under load, one server per model, plus a deliberate overload.
 step loadtest serve_pair
 # 7. RecBole's Trainer.evaluate on every test user: SASRec alone, + AR, + diffusion. One step per
