@@ -54,8 +54,8 @@ serve_pair() {  # the AR teacher and the diffusion student, each its own server,
   # 5,000 requests per decoder and concurrency (about two hours here); the duration limit only guards
   # against a hung server. Finished configurations are kept in a resume file named by the release they
   # measured, so a stopped call resumes at the configuration it was in and a new release starts over.
-  local release
-  release=$(sha256sum "$BUNDLE/release.json" | cut -c1-12)
+  local release=unreleased
+  if [[ -e "$BUNDLE/release.json" ]]; then release=$(sha256sum "$BUNDLE/release.json" | cut -c1-12); fi
   "$DGR2" loadtest --target "ar=127.0.0.1:$AR_PORT,diffusion=127.0.0.1:$DIFF_PORT" \
     --requests "$BUNDLE/test.jsonl" --n 5000 --decoders ar,diffusion --concurrency 1,8,32 \
     --duration-limit-s 7200 --overload 400 --resume-file "$RUN/publish/loadtest-runs-$release.jsonl" \
