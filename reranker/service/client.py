@@ -25,7 +25,8 @@ from proto.diffusion_gr2.v1 import reranker_pb2_grpc as pb_grpc
 
 from ..decoding import add_decode_flags
 
-# setting name -> proto enum (reranker.decoding owns the names; None leaves the field unset)
+# setting name -> proto enum (reranker.decoding owns the names; None leaves the field unset); the
+# request validation reads it backwards
 ENUM_SETTINGS = {
     "decoder": {None: pb.DECODER_UNSPECIFIED, "ar": pb.DECODER_AR, "ar_lookup": pb.DECODER_AR_LOOKUP,
                 "diffusion": pb.DECODER_DIFFUSION},

@@ -221,19 +221,26 @@ def loadtest(target: str, requests: str | Path | list[dict] | None = None, n_req
                             timeout_s))
 
 
-def _run_key(target, requests, n_requests, concurrency, duration_limit_s, options, kw) -> dict:
-    """What makes two configurations the same run: a resumed matrix reuses a finished one only if
-    every setting and the requests file's bytes are the same."""
-    def digest(value) -> str:
-        return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+def _digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
+
+def _matrix_key(requests, n_requests, duration_limit_s, kw) -> dict:
+    """What every configuration of one matrix call shares, for its resume key (read once a call):
+    the requests (a file by its bytes), their number, the duration limit, the other keywords."""
     if isinstance(requests, (str, Path)):
         src = f"file sha256 {file_sha256(requests)}" if Path(requests).is_file() else f"missing file {requests}"
     else:
-        src = "generated" if requests is None else f"rows {digest(requests)}"
-    return json.loads(json.dumps({"target": target, "requests": src, "n_requests": n_requests,
-                                  "concurrency": concurrency, "duration_limit_s": duration_limit_s,
-                                  "options": options, **{k: digest(v) for k, v in sorted(kw.items())}}))
+        src = "generated" if requests is None else f"rows {_digest(requests)}"
+    return {"requests": src, "n_requests": n_requests, "duration_limit_s": duration_limit_s,
+            **{k: _digest(v) for k, v in sorted(kw.items())}}
+
+
+def _run_key(shared: dict, target, concurrency, options) -> dict:
+    """What makes two configurations the same run: a resumed matrix reuses a finished one only if
+    every setting and the requests file's bytes are the same (JSON round trip: compared with keys read
+    back from the file)."""
+    return json.loads(json.dumps({"target": target, **shared, "concurrency": concurrency, "options": options}))
 
 
 def read_finished_runs(path: Path) -> list[dict]:
@@ -251,7 +258,7 @@ def read_finished_runs(path: Path) -> list[dict]:
         except ValueError as e:
             if i == len(lines):  # cut off, so that the next run's line starts on a line of its own
                 print(f"{path}:{i}: an unfinished last line, dropped ({e})", file=sys.stderr)
-                atomic_write_text(path, "".join(line + "\n" for line in lines[:-1]))
+                atomic_write_text(path, "".join(kept + "\n" for kept in lines[:-1]))
                 continue
             raise ValueError(f"{path}:{i}: not a loadtest resume line ({e}); delete the file to start over") from None
         out.append(entry)
@@ -270,11 +277,12 @@ def loadtest_matrix(target: str | dict, requests=None, n_requests: int = 5000, d
     targets = target if isinstance(target, dict) else {d: target for d in decoders}
     resume = Path(resume_file) if resume_file else None
     finished = read_finished_runs(resume) if resume else []
+    shared = _matrix_key(requests, n_requests, duration_limit_s, kw) if resume else {}
     runs = []
     for d in decoders:
         for c in concurrencies:
             opts = {**(options or {}), "decoder": d}
-            key = _run_key(targets[d], requests, n_requests, c, duration_limit_s, opts, kw)
+            key = _run_key(shared, targets[d], c, opts)
             done = next((e["run"] for e in finished if e["key"] == key), None)
             if done is not None:
                 print(f"{d} c={c}: finished at {done.get('finished_utc')}, reused from {resume}", flush=True)

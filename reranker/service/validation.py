@@ -16,14 +16,12 @@ from proto.diffusion_gr2.v1 import reranker_pb2 as pb
 
 from ..decoding import DecodeOptions, DecodeSettingError
 from ..engine import RerankRequest, RerankResult
+from .client import ENUM_SETTINGS as CLIENT_ENUMS
 from .options import ServiceLimits
 
-# proto enum -> decode setting name (reranker.decoding owns the names; 0, UNSPECIFIED, is unset)
-ENUM_SETTINGS = {
-    "decoder": {pb.DECODER_AR: "ar", pb.DECODER_AR_LOOKUP: "ar_lookup", pb.DECODER_DIFFUSION: "diffusion"},
-    "commit_rule": {pb.COMMIT_RULE_CONFIDENCE: "confidence", pb.COMMIT_RULE_PREFIX: "prefix"},
-    "compute_dtype": {pb.COMPUTE_DTYPE_FLOAT32: "float32", pb.COMPUTE_DTYPE_BFLOAT16: "bfloat16"},
-}
+# proto enum -> decode setting name: the client's table read backwards (0, UNSPECIFIED, is unset)
+ENUM_SETTINGS = {name: {enum: setting for setting, enum in table.items() if setting is not None}
+                 for name, table in CLIENT_ENUMS.items()}
 
 
 class ValidationError(ValueError):
