@@ -7,7 +7,9 @@ so the event loop keeps answering health checks and rejecting overload while the
 With `workers` threads, up to that many batches decode at once; the next batch is formed only when
 a worker is free, so requests that arrive meanwhile queue up and batch together. (On a 2-core CPU,
 two workers of one torch thread each served 1.9-2.4x the requests of one worker of two threads:
-docs/EXPERIMENTS.md.)
+docs/EXPERIMENTS.md.) Each worker is its own thread, numbered from 0, and a batch goes to the
+lowest-numbered free worker: a request that arrives alone always decodes on worker 0, the one the
+server lets use every torch thread (server.py, `_share_threads`).
 
 The queue is bounded by admission: `admit()` raises QueueFull at once, with no await, when
 `max_queue` requests are already admitted (waiting, or in a batch being decoded, until their
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
@@ -91,9 +94,14 @@ class MicroBatcher:
         self.max_queue = int(max_queue)
         self._pending: list[_Job] = []  # arrival order, not yet in a batch
         self._wakeup = asyncio.Event()
-        # `workers` threads share the one model (inference only: no state changes between calls)
+        # `workers` threads share the one model (inference only: no state changes between calls);
+        # one executor each, so a batch can be sent to a chosen worker
         self.workers = int(workers)
-        self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="rerank-decode")
+        self._worker = threading.local()  # .index on a worker's thread
+        self._executors = [ThreadPoolExecutor(1, thread_name_prefix=f"rerank-decode-{i}",
+                                              initializer=self._name_worker, initargs=(i,))
+                           for i in range(self.workers)]
+        self._idle_workers = set(range(self.workers))
         self._free = asyncio.Semaphore(self.workers)  # a worker for the next batch
         self._task: asyncio.Task | None = None
         self._runs: dict[asyncio.Task, list[_Job]] = {}  # the batches being decoded
@@ -118,6 +126,18 @@ class MicroBatcher:
         self._admitted += 1
         return Admission(self)
 
+    def _name_worker(self, index: int) -> None:
+        self._worker.index = index
+
+    def current_worker(self) -> int | None:
+        """The worker number of the calling thread (None off the decode workers)."""
+        return getattr(self._worker, "index", None)
+
+    @property
+    def decoding_batches(self) -> int:
+        """Batches being decoded now (read from the decode threads too: one len() of a dict)."""
+        return len(self._runs)
+
     @property
     def running(self) -> int:
         """Requests in batches being decoded."""
@@ -128,8 +148,8 @@ class MicroBatcher:
             self._task = asyncio.get_running_loop().create_task(self._dispatch(), name="micro-batcher")
 
     async def run_in_worker(self, fn: Callable, *args):
-        """Run fn on a decode thread (warm-up uses the model there too)."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        """Run fn on decode worker 0 (warm-up uses the model there too)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executors[0], fn, *args)
 
     async def submit(self, item: Any, key: Hashable, admission: Admission | None = None,
                      limit: int | None = None) -> Outcome:
@@ -185,19 +205,22 @@ class MicroBatcher:
             if not batch:
                 self._free.release()
                 continue
-            run = loop.create_task(self._run(loop, batch), name="micro-batch")
+            worker = min(self._idle_workers)  # the semaphore guarantees one
+            self._idle_workers.remove(worker)
+            run = loop.create_task(self._run(loop, batch, worker), name="micro-batch")
             self._runs[run] = batch
-            run.add_done_callback(self._ran)
+            run.add_done_callback(lambda task, worker=worker: self._ran(task, worker))
 
-    def _ran(self, run: asyncio.Task) -> None:
+    def _ran(self, run: asyncio.Task, worker: int) -> None:
         self._runs.pop(run, None)
+        self._idle_workers.add(worker)
         self._free.release()
 
-    async def _run(self, loop, batch: list[_Job]) -> None:
+    async def _run(self, loop, batch: list[_Job], worker: int) -> None:
         start = time.monotonic()
         self.batches += 1
         try:
-            results = await loop.run_in_executor(self._executor, self.run_batch, [j.item for j in batch],
+            results = await loop.run_in_executor(self._executors[worker], self.run_batch, [j.item for j in batch],
                                                  batch[0].key, lambda: all(j.gone for j in batch))
             if len(results) != len(batch):
                 raise RuntimeError(f"batch function returned {len(results)} results for {len(batch)} requests")
@@ -226,4 +249,5 @@ class MicroBatcher:
                 j.future.set_exception(BatcherClosed("server shutting down"))
         self._pending.clear()
         self._runs.clear()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        for executor in self._executors:
+            executor.shutdown(wait=False, cancel_futures=True)

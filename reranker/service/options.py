@@ -49,8 +49,10 @@ class ServerConfig:
     # per decoder, over max_batch: on a CPU a block-diffusion step costs more per row than an AR step
     # (every row runs its whole block), so diffusion may serve more per second in smaller batches
     decoder_max_batch: dict = field(default_factory=dict)
-    # decode threads sharing the model; `serve` gives each cores / workers torch threads
+    # decode threads sharing the model and `decode_threads` torch threads: worker 0, which takes
+    # every lone batch, gets all of them while it decodes alone (RerankerService._share_threads)
     decode_workers: int = 1
+    decode_threads: int = 0  # 0: torch's intra-op thread count when the service starts
     max_wait_ms: float = 5.0
     max_queue: int = 64  # requests admitted at once, the decoding batch included
     tls_cert: str | None = None  # PEM files; both or neither
@@ -64,6 +66,8 @@ class ServerConfig:
     def __post_init__(self):
         self.decoder_max_batch = check_decoder_max_batch(self.decoder_max_batch)
         check_workers(self.decode_workers, "decode_workers")
+        if self.decode_threads != 0:
+            check_workers(self.decode_threads, "decode_threads (0: torch's thread count)")
 
 
 def check_decoder_max_batch(caps) -> dict:
@@ -108,8 +112,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decoder-max-batch", type=parse_decoder_max_batch, default={}, metavar="DECODER=N[,...]",
                    help="a decoder's own cap over --max-batch, e.g. diffusion=2")
     p.add_argument("--decode-workers", type=int, default=d.decode_workers,
-                   help="batches decoded at once, each on its own thread with torch threads / N intra-op threads "
-                        "(on a 2-core CPU, 2 workers of 1 thread served about twice the requests of 1 of 2)")
+                   help="batches decoded at once, each on its own thread. Torch's threads (OMP_NUM_THREADS) go to "
+                        "worker 0, which takes every lone batch, while it decodes alone; with k batches at once it "
+                        "runs on 1/k of them and the others on one (on a 2-core CPU, 2 workers of 1 thread served about twice the requests "
+                        "of 1 of 2)")
     p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms, help="how long a batch waits to fill")
     p.add_argument("--max-queue", type=int, default=d.max_queue,
                    help="requests admitted at once, the decoding batch included; one more gets RESOURCE_EXHAUSTED "

@@ -13,9 +13,10 @@ flags over the model's recorded settings (reranker.decoding).
 
     python -m reranker.service.server --model DIR --data DIR [--retrieval DIR] [--port 50051]
 
-Loopback only by default; TLS with --tls-cert/--tls-key. Decoding runs on one worker thread (see
-batcher.py); a batch whose callers all left (deadline, cancellation) is abandoned between two
-forward passes by a forward pre-hook on the model.
+Loopback only by default; TLS with --tls-cert/--tls-key. Decoding runs on `--decode-workers` worker
+threads (see batcher.py) that share torch's threads by how many batches decode at once; a batch
+whose callers all left (deadline, cancellation) is abandoned between two forward passes by a
+forward pre-hook on the model, the same hook that adjusts the batch's thread share.
 """
 from __future__ import annotations
 
@@ -110,8 +111,11 @@ def fitting_candidates(engine, max_new_tokens: int, cap: int = CANDIDATES_CAP) -
 class RerankerService(pb_grpc.RerankerServicer):
     def __init__(self, engine, limits: ServiceLimits | None = None, retriever=None, max_batch: int = 8,
                  max_wait_ms: float = 5.0, max_queue: int = 64, decoder_max_batch: dict | None = None,
-                 decode_workers: int = 1):
+                 decode_workers: int = 1, decode_threads: int = 0):
         self.engine = engine
+        # torch threads the decode workers share (see _share_threads)
+        self.decode_threads = decode_threads or torch.get_num_threads()
+        self._thread_share = threading.local()
         self.decoder_max_batch = check_decoder_max_batch(decoder_max_batch)
         limits = limits or ServiceLimits()
         self.diffusion_available = getattr(engine, "diffusion", None) is not None
@@ -130,6 +134,9 @@ class RerankerService(pb_grpc.RerankerServicer):
         # Prompts render on their own thread: the event loop stays free to refuse and answer while a
         # long prompt tokenizes, and one thread keeps renders (the tokenizer) in arrival order.
         self._render_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rerank-render")
+        # Recommend's retrieval (a SASRec forward) on one thread with one torch thread (_share_threads)
+        self._retrieve_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="recommend-retrieve", initializer=torch.set_num_threads, initargs=(1,))
         self.draining = False
         self._active = 0
         self._idle = asyncio.Event()
@@ -137,16 +144,33 @@ class RerankerService(pb_grpc.RerankerServicer):
         self._allowed = None  # index rows the engine can rank (Recommend)
 
     # ---- decode thread ---------------------------------------------------------------------
+    def _share_threads(self) -> None:
+        """On a decode thread, before a forward: set how many torch threads this batch runs on.
+        Worker 0, where a batch arriving alone always goes (batcher.py), takes every thread while it
+        decodes alone and decode_threads // k while k batches decode at once; the other workers run
+        on one. Only worker 0 ever runs a multi-threaded op: each thread that does owns an OpenMP
+        team, and with more team threads in the process than cores libgomp stops spin-waiting, which
+        made every multi-threaded decode about 1.7x slower here (docs/EXPERIMENTS.md). Per thread,
+        so called only when the share changes."""
+        if self.batcher.current_worker() == 0:
+            share = max(1, self.decode_threads // max(1, self.batcher.decoding_batches))
+        else:
+            share = 1
+        if getattr(self._thread_share, "n", None) != share:
+            torch.set_num_threads(share)
+            self._thread_share.n = share
+
     def _decode_batch(self, preps: list[Prepared], key, should_stop) -> list:
         """Runs on the decode thread: one engine.rerank for the batch; never raises."""
-        def abandon_if_nobody_waits(module, args):
+        def before_forward(module, args):
             if should_stop():
                 raise _Abandoned()
+            self._share_threads()
 
-        # checked before every forward pass, so a batch nobody waits for stops within one step
+        # checked before every forward pass, so a batch nobody waits for stops within one step and a
+        # batch's thread share follows the others starting and ending
         model = getattr(self.engine, "model", None)
-        hook = model.register_forward_pre_hook(abandon_if_nobody_waits) if isinstance(model, torch.nn.Module) \
-            else None
+        hook = model.register_forward_pre_hook(before_forward) if isinstance(model, torch.nn.Module) else None
         try:
             results = self._rerank_isolating(preps)
             self.metrics.observe_batch(preps[0].options.decoder, results)
@@ -302,7 +326,8 @@ class RerankerService(pb_grpc.RerankerServicer):
             t0 = time.perf_counter()
             try:
                 history, truncated, n = self._validate_recommend(request)
-                items, scores = await asyncio.to_thread(self.retriever.retrieve, history, n, self._allowed_rows())
+                items, scores = await asyncio.get_running_loop().run_in_executor(
+                    self._retrieve_pool, self.retriever.retrieve, history, n, self._allowed_rows())
                 if not items:
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                         "the retriever found no candidate the model can rank")
@@ -397,6 +422,7 @@ class RunningServer:
         await asyncio.gather(self.server.stop(grace=stop_grace), asyncio.to_thread(svc.metrics.close))
         await svc.batcher.close()
         svc._render_pool.shutdown(wait=False, cancel_futures=True)
+        svc._retrieve_pool.shutdown(wait=False, cancel_futures=True)
         log.info("stopped")
 
     async def wait(self) -> None:
@@ -472,7 +498,8 @@ async def start_server(engine, config: ServerConfig | None = None, retriever=Non
         ("grpc.so_reuseport", 0),  # a busy port is an error, not a silently shared one
     ])
     service = RerankerService(engine, config.limits, retriever, config.max_batch, config.max_wait_ms,
-                              config.max_queue, config.decoder_max_batch, config.decode_workers)
+                              config.max_queue, config.decoder_max_batch, config.decode_workers,
+                              config.decode_threads)
     add_reranker_service(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(service.health, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -570,6 +597,17 @@ class BackgroundServer:
         self.stop()
 
 
+@contextlib.contextmanager
+def one_torch_thread():
+    """Torch ops on this thread run single-threaded inside the block (the count is restored after)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def serve(model_dir, data_dir, retrieval_dir=None, host: str = "127.0.0.1", port: int = 50051, max_batch: int = 8,
           max_wait_ms: float = 5.0, max_queue: int = 64, tls_cert=None, tls_key=None, device: str = "cpu",
           drain_grace_s: float = 30.0, limits: ServiceLimits | None = None, metrics_port: int = 0,
@@ -586,16 +624,17 @@ def serve(model_dir, data_dir, retrieval_dir=None, host: str = "127.0.0.1", port
                           tls_cert=str(tls_cert) if tls_cert else None, tls_key=str(tls_key) if tls_key else None,
                           drain_grace_s=drain_grace_s, metrics_port=metrics_port, limits=limits or ServiceLimits(),
                           decoder_max_batch=dict(decoder_max_batch or {}), decode_workers=decode_workers)
-    if config.decode_workers > 1:  # the workers share the cores: each op runs on its share, not on all of them
-        torch.set_num_threads(max(1, torch.get_num_threads() // config.decode_workers))
-    log.info("%d decode worker(s), %d torch thread(s) each", config.decode_workers, torch.get_num_threads())
+    config.decode_threads = config.decode_threads or torch.get_num_threads()
+    log.info("%d decode worker(s) sharing %d torch thread(s): a batch decoding alone gets all of them",
+             config.decode_workers, config.decode_threads)
     t0 = time.perf_counter()
-    engine = RerankEngine.load(model_dir, data_dir, device)
-    retriever = None
-    if retrieval_dir:
-        from .retrieval import Retriever  # RecBole + faiss: imported only when Recommend is wanted
+    with one_torch_thread():  # the main thread runs no multi-threaded op (RerankerService._share_threads)
+        engine = RerankEngine.load(model_dir, data_dir, device)
+        retriever = None
+        if retrieval_dir:
+            from .retrieval import Retriever  # RecBole + faiss: imported only when Recommend is wanted
 
-        retriever = Retriever.load(retrieval_dir, device)
+            retriever = Retriever.load(retrieval_dir, device)
     log.info("loaded the model%s in %.1f s", " and the retriever" if retriever else "", time.perf_counter() - t0)
     asyncio.run(run_until_signalled(engine, config, retriever))
     if exit_process:

@@ -391,6 +391,41 @@ def test_decode_workers_decode_that_many_batches_at_once(workers):
         slow_config(decode_workers=0)
 
 
+def test_a_batch_decoding_alone_gets_every_thread_and_concurrent_ones_share_them(monkeypatch):
+    """Two workers sharing 2 torch threads: a lone request decodes on worker 0 with both; two batches
+    decoding at once run on one each (worker 0 drops to one, the other never takes more), and worker
+    0 takes both back before its next forward once it decodes alone again."""
+    shares = []  # (decode thread, threads asked for), in order
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: shares.append((threading.current_thread().name, n)))
+    eng = SlowEngine(step_s=0.0)
+    with BackgroundServer(eng, slow_config(max_batch=1, max_wait_ms=0, decode_workers=2, decode_threads=2)) as srv, \
+            RerankerClient(srv.target) as c, ThreadPoolExecutor(2) as pool:
+        srv.warmed.result(30)
+        for k in range(3):  # one at a time: always worker 0, always both threads
+            assert c.rerank(ITEMS[:3], max_new_tokens=3, user_id=f"alone{k}").items
+        assert shares == [("rerank-decode-0_0", 2)], shares
+        eng.gate.clear()  # both decodes wait at the gate until both are running
+        long_one = pool.submit(c.rerank, ITEMS[:3], max_new_tokens=400, user_id="long")
+        deadline = time.monotonic() + 30
+        while srv.call(_async_value(lambda: srv.service.batcher.decoding_batches)) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        short_one = pool.submit(c.rerank, ITEMS[:3], max_new_tokens=3, user_id="short")
+        while srv.call(_async_value(lambda: srv.service.batcher.decoding_batches)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        eng.gate.set()
+        assert long_one.result(30).items and short_one.result(30).items
+    assert shares[:3] == [("rerank-decode-0_0", 2), ("rerank-decode-0_0", 1), ("rerank-decode-1_0", 1)] or \
+        shares[:3] == [("rerank-decode-0_0", 2), ("rerank-decode-1_0", 1), ("rerank-decode-0_0", 1)], shares
+    assert shares[-1] == ("rerank-decode-0_0", 2), shares  # the long one, alone again
+    assert {n for name, n in shares if name != "rerank-decode-0_0"} == {1}, shares
+    with pytest.raises(ValueError, match="decode_threads"):
+        slow_config(decode_threads=-1)
+
+
+async def _async_value(fn):
+    return fn()
+
+
 def test_deadline_while_decoding_abandons_the_work():
     eng = SlowEngine(step_s=0.01)
     with BackgroundServer(eng, slow_config(max_batch=1)) as srv, RerankerClient(srv.target) as c:
