@@ -15,7 +15,7 @@ BUNDLE=models/amazon-beauty
 DGR2=${DGR2:-.venv/bin/dgr2}
 AR_PORT=${AR_PORT:-50061}
 DIFF_PORT=${DIFF_PORT:-50062}
-WORKERS=${WORKERS:-2}  # decode workers per server, one torch thread each on 2 cores
+WORKERS=${WORKERS:-2}  # decode workers per server: worker 0 takes a lone batch on both threads, busy ones one each
 # Batch caps: with 2 workers, batches of 4 keep both busy at concurrency 8 (AR: 2 x batch 4 served
 # 1.5x the requests of 1 x batch 8, docs/EXPERIMENTS.md); diffusion gains little from batching here.
 AR_MAX_BATCH=${AR_MAX_BATCH:-4}

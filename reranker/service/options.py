@@ -114,8 +114,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-workers", type=int, default=d.decode_workers,
                    help="batches decoded at once, each on its own thread. Torch's threads (OMP_NUM_THREADS) go to "
                         "worker 0, which takes every lone batch, while it decodes alone; with k batches at once it "
-                        "runs on 1/k of them and the others on one (on a 2-core CPU, 2 workers of 1 thread served about twice the requests "
-                        "of 1 of 2)")
+                        "runs on 1/k of them and the others on one (on a 2-core CPU, 2 workers of 1 thread served "
+                        "about twice the requests of 1 of 2)")
     p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms, help="how long a batch waits to fill")
     p.add_argument("--max-queue", type=int, default=d.max_queue,
                    help="requests admitted at once, the decoding batch included; one more gets RESOURCE_EXHAUSTED "

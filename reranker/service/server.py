@@ -136,7 +136,7 @@ class RerankerService(pb_grpc.RerankerServicer):
         self._render_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rerank-render")
         # Recommend's retrieval (a SASRec forward) on one thread with one torch thread (_share_threads)
         self._retrieve_pool = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="recommend-retrieve", initializer=torch.set_num_threads, initargs=(1,))
+            1, thread_name_prefix="recommend-retrieve", initializer=pin_torch_threads, initargs=(1,))
         self.draining = False
         self._active = 0
         self._idle = asyncio.Event()
@@ -157,7 +157,7 @@ class RerankerService(pb_grpc.RerankerServicer):
         else:
             share = 1
         if getattr(self._thread_share, "n", None) != share:
-            torch.set_num_threads(share)
+            pin_torch_threads(share)
             self._thread_share.n = share
 
     def _decode_batch(self, preps: list[Prepared], key, should_stop) -> list:
@@ -212,7 +212,9 @@ class RerankerService(pb_grpc.RerankerServicer):
             return [_fallback(len(r.candidates), "decode_error") for r in requests]
 
     def warm_up(self) -> None:
-        """One tiny decode per available decoder (first forward passes allocate and compile)."""
+        """One tiny decode per available decoder (first forward passes allocate and compile), on
+        decode worker 0 with its thread share."""
+        self._share_threads()
         sids = getattr(self.engine, "sids", None)
         items = list(sids.item_ids[:2]) if sids is not None else []
         if not items:
@@ -597,15 +599,13 @@ class BackgroundServer:
         self.stop()
 
 
-@contextlib.contextmanager
-def one_torch_thread():
-    """Torch ops on this thread run single-threaded inside the block (the count is restored after)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
+def pin_torch_threads(n: int) -> None:
+    """Run this thread's torch ops on n threads. torch sets a thread's count from the process-wide
+    default at the thread's first parallel op, overwriting an earlier set_num_threads on that thread
+    (and set_num_threads also moves that default): get_num_threads does that first-op setup now, so
+    the n set after it stays."""
+    torch.get_num_threads()
+    torch.set_num_threads(n)
 
 
 def serve(model_dir, data_dir, retrieval_dir=None, host: str = "127.0.0.1", port: int = 50051, max_batch: int = 8,
@@ -627,14 +627,16 @@ def serve(model_dir, data_dir, retrieval_dir=None, host: str = "127.0.0.1", port
     config.decode_threads = config.decode_threads or torch.get_num_threads()
     log.info("%d decode worker(s) sharing %d torch thread(s): a batch decoding alone gets all of them",
              config.decode_workers, config.decode_threads)
+    # From here on only decode worker 0 runs multi-threaded ops (RerankerService._share_threads): the
+    # loads and the event loop on this thread, and every thread that does not set its own, run on one.
+    pin_torch_threads(1)
     t0 = time.perf_counter()
-    with one_torch_thread():  # the main thread runs no multi-threaded op (RerankerService._share_threads)
-        engine = RerankEngine.load(model_dir, data_dir, device)
-        retriever = None
-        if retrieval_dir:
-            from .retrieval import Retriever  # RecBole + faiss: imported only when Recommend is wanted
+    engine = RerankEngine.load(model_dir, data_dir, device)
+    retriever = None
+    if retrieval_dir:
+        from .retrieval import Retriever  # RecBole + faiss: imported only when Recommend is wanted
 
-            retriever = Retriever.load(retrieval_dir, device)
+        retriever = Retriever.load(retrieval_dir, device)
     log.info("loaded the model%s in %.1f s", " and the retriever" if retriever else "", time.perf_counter() - t0)
     asyncio.run(run_until_signalled(engine, config, retriever))
     if exit_process:
