@@ -406,12 +406,13 @@ def test_a_batch_decoding_alone_gets_every_thread_and_concurrent_ones_share_them
             assert c.rerank(ITEMS[:3], max_new_tokens=3, user_id=f"alone{k}").items
         assert [x for x in shares if x[0].startswith("rerank-decode")] == [(w0, 4)], shares
         eng.gate.clear()  # both decodes wait at the gate until both are running
+        # (decoding_batches is one len(); the decode threads read it off the event loop too)
         long_one = pool.submit(c.rerank, ITEMS[:3], max_new_tokens=400, user_id="long")  # 0.8 s of steps
         deadline = time.monotonic() + 30
-        while srv.call(_async_value(lambda: srv.service.batcher.decoding_batches)) < 1 and time.monotonic() < deadline:
+        while srv.service.batcher.decoding_batches < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         short_one = pool.submit(c.rerank, ITEMS[:3], max_new_tokens=3, user_id="short")
-        while srv.call(_async_value(lambda: srv.service.batcher.decoding_batches)) < 2 and time.monotonic() < deadline:
+        while srv.service.batcher.decoding_batches < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         eng.gate.set()
         assert long_one.result(30).items and short_one.result(30).items
@@ -420,10 +421,6 @@ def test_a_batch_decoding_alone_gets_every_thread_and_concurrent_ones_share_them
     assert decode[3:] == [(w0, 4)], shares  # the long one, alone again
     with pytest.raises(ValueError, match="decode_threads"):
         slow_config(decode_threads=-1)
-
-
-async def _async_value(fn):
-    return fn()
 
 
 def test_deadline_while_decoding_abandons_the_work():
