@@ -23,8 +23,8 @@ With `--resume-file F`, each finished configuration is appended to F and a later
 same settings reuses it: a call stopped after two hours resumes at the configuration it was in.
 
 A bare `--target HOST:PORT` sends every decoder's requests to that one server. The overload
-(`--n 0 --overload 400`) goes against a server started with a small `--max-queue` and
-`--retrieval`, so that Recommend is refused too.
+(`--n 0 --overload 400 --overload-rate 200`: 400 calls a method, 200 a second) goes against a
+server started with a small `--max-queue` and `--retrieval`, so that Recommend is refused too.
 """
 from __future__ import annotations
 
@@ -148,8 +148,10 @@ async def _run(target, rows, n_requests, concurrency, duration_limit_s, options,
     }
 
 
-async def _burst(target, rows, method, n, options, tls_ca, timeout_s):
-    """`n` calls of `method` sent at once; (status code name, milliseconds) of each."""
+async def _burst(target, rows, method, n, options, tls_ca, timeout_s, rate=None):
+    """`n` calls of `method`: all at once (`rate` None), or open loop at `rate` calls a second, call i
+    sent at i / rate seconds whatever the earlier ones are waiting for. (status code name, ms from
+    the call's send, ms it was sent after its due time) of each."""
     opts = decode_options(**options)
     if method == "Rerank":
         reqs = _rerank_requests(rows, opts)
@@ -158,38 +160,52 @@ async def _burst(target, rows, method, n, options, tls_ca, timeout_s):
                 for r in rows]
     async with channel(target, tls_ca, aio=True) as ch:
         call = getattr(pb_grpc.RerankerStub(ch), method)
+        t0 = time.perf_counter()
 
-        async def one(req):
+        async def one(i):
+            due = t0 + (i / rate if rate else 0.0)
+            if rate:
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))
             start = time.perf_counter()
             try:
-                await call(req, timeout=timeout_s)
+                await call(reqs[i % len(reqs)], timeout=timeout_s)
                 code = "OK"
             except grpc.aio.AioRpcError as e:
                 code = e.code().name
-            return code, (time.perf_counter() - start) * 1000.0
+            return code, (time.perf_counter() - start) * 1000.0, (start - due) * 1000.0
 
-        return await asyncio.gather(*(one(reqs[i % len(reqs)]) for i in range(n)))
+        return await asyncio.gather(*(one(i) for i in range(n)))
 
 
 OVERLOAD_METHODS = ("Rerank", "Recommend")
 
 
 def overload(target: str, requests, n_calls: int = 200, methods: Sequence[str] = OVERLOAD_METHODS,
-             options: dict | None = None, tls_ca=None, timeout_s: float = 60.0, item_ids=None, seed: int = 0) -> dict:
-    """A deliberate overload: `n_calls` calls of each method at once, against a server whose queue
-    is far smaller (`dgr2 serve --max-queue`). What a refused caller waits for its RESOURCE_EXHAUSTED
-    is the figure (`refusal_p99_ms` per method); Recommend needs a server started with --retrieval."""
+             options: dict | None = None, tls_ca=None, timeout_s: float = 60.0, item_ids=None, seed: int = 0,
+             rate: float | None = None) -> dict:
+    """A deliberate overload: `n_calls` calls of each method against a server whose queue is far
+    smaller (`dgr2 serve --max-queue`), sent open loop at `rate` calls a second (None: all at once).
+    What a refused caller waits for its RESOURCE_EXHAUSTED is the figure (`refusal_p99_ms` per
+    method); Recommend needs a server started with --retrieval.
+
+    All at once measures the client more than the server: from one Python process, 400 calls at
+    once against a server that refuses every call without any work took p99 55-90 ms on this CPU,
+    while the same calls sent at 200-1000 a second took p99 1-6 ms (docs/EXPERIMENTS.md). The
+    report keeps how late the client sent its calls (`send_lag_ms`), so a rate the client could not
+    hold is seen."""
     bad = [m for m in methods if m not in OVERLOAD_METHODS]
-    if bad or n_calls < 1:
-        raise ValueError(f"overload: methods must be of {OVERLOAD_METHODS} and n_calls >= 1, got {list(methods)}, "
-                         f"{n_calls}")
+    if bad or n_calls < 1 or (rate is not None and not rate > 0):
+        raise ValueError(f"overload: methods must be of {OVERLOAD_METHODS}, n_calls >= 1 and rate > 0, got "
+                         f"{list(methods)}, {n_calls}, {rate}")
     rows = _rows(requests, n_calls, item_ids, seed)
-    out = {"calls_per_method": n_calls, "options": dict(options or {})}
+    out = {"calls_per_method": n_calls, "rate_per_s": rate, "options": dict(options or {})}
     for m in methods:
-        res = asyncio.run(_burst(target, rows, m, n_calls, dict(options or {}), tls_ca, timeout_s))
-        refused = [ms for code, ms in res if code == "RESOURCE_EXHAUSTED"]
-        out[m] = {"codes": dict(Counter(code for code, _ in res)), "refused": len(refused),
-                  "refusal_ms": _percentiles(refused), "ok_ms": _percentiles([ms for code, ms in res if code == "OK"])}
+        res = asyncio.run(_burst(target, rows, m, n_calls, dict(options or {}), tls_ca, timeout_s, rate))
+        refused = [ms for code, ms, _ in res if code == "RESOURCE_EXHAUSTED"]
+        out[m] = {"codes": dict(Counter(code for code, *_ in res)), "refused": len(refused),
+                  "refusal_ms": _percentiles(refused),
+                  "ok_ms": _percentiles([ms for code, ms, _ in res if code == "OK"]),
+                  "send_lag_ms": _percentiles([lag for *_, lag in res])}
     out["refusal_p99_ms"] = {m: out[m]["refusal_ms"]["p99"] for m in methods}
     return out
 
@@ -320,8 +336,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tls-ca")
     p.add_argument("--timeout-s", type=float, default=30.0)
     p.add_argument("--overload", type=int, default=0, metavar="N",
-                   help="after the runs, send N calls of each of --overload-methods at once (a deliberate "
-                        "overload of a server started with a small --max-queue) and report the refusals")
+                   help="after the runs, send N calls of each of --overload-methods (a deliberate overload of a "
+                        "server started with a small --max-queue) and report the refusals")
+    p.add_argument("--overload-rate", type=float, default=None, metavar="PER_S",
+                   help="send the overload's calls open loop at this many a second (unset: all at once, which "
+                        "from one client measures the client's own sending more than the server)")
     p.add_argument("--overload-methods", default="Rerank,Recommend", help="Recommend needs `serve --retrieval`")
     p.add_argument("--out", help="write the report as a docs/results JSON file")
     p.add_argument("--resume-file", help="JSONL of finished configurations: appended as each finishes, and a "
@@ -343,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.overload:
         report["overload"] = overload(targets[decoders[0]], args.requests, args.overload,
                                       args.overload_methods.split(","), {**options, "decoder": decoders[0]},
-                                      args.tls_ca, args.timeout_s, item_ids)
+                                      args.tls_ca, args.timeout_s, item_ids, rate=args.overload_rate)
         for m, ms in report["overload"]["refusal_p99_ms"].items():
             print(f"overload {m}: {report['overload'][m]['codes']}, refusal p99 "
                   + (f"{ms:.1f} ms" if ms is not None else "- (nothing refused)"))

@@ -884,6 +884,28 @@ def test_loadtest_overload_reports_refusals_per_method():
         assert rep["refusal_p99_ms"][m] == rep[m]["refusal_ms"]["p99"] > 0
     with pytest.raises(ValueError, match="methods must be of"):
         overload("127.0.0.1:1", rows, methods=["Nope"])
+    with pytest.raises(ValueError, match="rate > 0"):
+        overload("127.0.0.1:1", rows, rate=0)
+
+
+def test_loadtest_overload_open_loop_sends_on_schedule():
+    """`--overload-rate R`: call i leaves at i / R seconds, not before, whatever the earlier calls
+    wait for; each call's lateness is reported, and refusals are timed from the call's own send."""
+    from reranker.service.loadtest import overload
+
+    eng = SlowEngine(step_s=0.01)
+    with BackgroundServer(eng, slow_config(max_batch=1, max_queue=2, max_wait_ms=0)) as srv:
+        srv.warmed.result(30)
+        rows = [{"candidates": ITEMS[:3], "history": ["i20"], "user": "u"}]
+        t0 = time.perf_counter()
+        rep = overload(srv.target, rows, n_calls=20, methods=["Rerank"], options={"max_new_tokens": 20}, rate=50.0)
+        took = time.perf_counter() - t0
+    assert took >= 19 / 50.0, took  # the last call was due at 0.38 s
+    r = rep["Rerank"]
+    assert rep["rate_per_s"] == 50.0 and sum(r["codes"].values()) == 20 and r["refused"] >= 1, r["codes"]
+    assert r["send_lag_ms"]["p50"] > -1.0 and r["send_lag_ms"]["p99"] < 1000 * 19 / 50.0, r["send_lag_ms"]
+    # a refusal is answered without decoding: far under the 20-step decode an admitted call waits for
+    assert rep["refusal_p99_ms"]["Rerank"] < r["ok_ms"]["p50"], r
 
 
 def test_sigterm_exits_within_grace_plus_one_second(dirs):
