@@ -23,6 +23,7 @@ keys called *required* must be there.
     diffusion-speed-*      speed_section, frontier_section, length_batch_section
     forward-cost-*         forward_cost_section
     service-load*          service_section
+    service-overload*      overload_section
     recbole-e2e-*          recbole_section
 
 ``docs/results/*.json`` holds one current file per result. A run that a later run of the same
@@ -530,10 +531,38 @@ def service_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
         out += ["", "Diffusion QPS ÷ AR QPS: " + ", ".join(f"concurrency {c}: {_fmt(v, 2)}×"
                                                           for c, v in r["diffusion_over_ar_qps"].items()) + "."]
     out.append("")
+    if r.get("overload"):
+        out += _overload_lines(r["overload"])
     if ctx is not None:
         out += ctx.image(plots.plot_service_load(r, ctx.plots_dir / f"{name}.png", f"Service load ({name})"),
                          f"service load {name}")
     return out
+
+
+def _overload_lines(o: dict) -> list[str]:
+    """The `overload` object of a loadtest report: per method, what came back and what a refused
+    caller waited."""
+    rate = o.get("rate_per_s")
+    sent = f"at {rate:g} a second (open loop)" if rate else "all at once"
+    out = [f"Overload: {_fmt(o.get('calls_per_method'))} calls a method, sent {sent}.", "",
+           "| method | codes | refusal p50 ms | refusal p99 ms | ok p50 ms | send lag p99 ms |",
+           "|---|---|---|---|---|---|"]
+    for m in (o.get("refusal_p99_ms") or {}):
+        d = o.get(m) or {}
+        codes = ", ".join(f"{k} {v}" for k, v in (d.get("codes") or {}).items())
+        out.append(f"| {m} | {codes} | {_fmt((d.get('refusal_ms') or {}).get('p50'), 1)} | "
+                   f"{_fmt((d.get('refusal_ms') or {}).get('p99'), 1)} | {_fmt((d.get('ok_ms') or {}).get('p50'), 1)} | "
+                   f"{_fmt((d.get('send_lag_ms') or {}).get('p99'), 1)} |")
+    return out + [""]
+
+
+def overload_section(name: str, r: dict, ctx: Ctx | None = None) -> list[str]:
+    """docs/results/service-overload*.json (`dgr2 loadtest --n 0 --overload N [--overload-rate R]`).
+
+    Schema: {"overload" (required): {"calls_per_method", "rate_per_s" (null: all at once),
+    "refusal_p99_ms": {<method>: ms}, <method>: {"codes", "refusal_ms", "ok_ms", "send_lag_ms"}}}.
+    """
+    return [f"### {name}", "", provenance(r), ""] + _overload_lines(r["overload"])
 
 
 def _users_note(r: dict) -> str:
@@ -687,6 +716,9 @@ SECTIONS = [
     Section("Service load (gRPC)", "service-load", service_section,
             "dgr2 loadtest --target 127.0.0.1:50051 --requests <candidates.jsonl> --n 5000 --decoders ar,diffusion "
             "--concurrency 1,8,32 --out docs/results/service-load.json"),
+    Section("Service overload (gRPC)", "service-overload", overload_section,
+            "dgr2 loadtest --target ar=127.0.0.1:50061 --requests <candidates.jsonl> --n 0 --decoders ar "
+            "--overload 400 --overload-rate 200 --out docs/results/service-overload.json"),
     Section("RecBole end to end: SASRec alone vs + AR GR2 vs + Diffusion-GR2", "recbole-e2e-", recbole_section,
             "the RecBole end-to-end evaluation (integration/recbole_model.py) -> docs/results/recbole-e2e-<name>.json"),
 ]

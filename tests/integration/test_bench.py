@@ -84,6 +84,10 @@ def fake_results():
                                     "mean_batch_size": 2.0, "fallback_rate": 0.0}
                                    for d, q in (("ar", 1.0), ("diffusion", 3.0)) for c in (1, 8, 32)],
                              diffusion_over_ar_qps={"1": 3.0, "8": 3.0, "32": 3.0}),
+        "service-overload": prov(overload={
+            "calls_per_method": 400, "rate_per_s": 200.0, "refusal_p99_ms": {"Rerank": 2.4},
+            "Rerank": {"codes": {"OK": 40, "RESOURCE_EXHAUSTED": 360}, "refusal_ms": {"p50": 1.4, "p99": 2.4},
+                       "ok_ms": {"p50": 7862.0}, "send_lag_ms": {"p99": 1.8}}}),
         "recbole-e2e-tiny": prov(dataset="tiny", history_masked=True, n_users=300, rows=[
             {"name": "SASRec alone", "recall@10": 0.0812, "ndcg@10": 0.0401},
             {"name": "SASRec + Diffusion-GR2", "tau": 0.9, "recall@10": 0.0812, "ndcg@10": 0.0452, "seconds": 12.5,
@@ -130,6 +134,8 @@ def test_every_section_renders_with_provenance_and_plots(tmp_path):
     assert "4.00× / 8.00× → **5.33× / 3.20×**" in md and "| 8 | 2 | 3.20× | 1, 32 | 1 |" in md
     assert "SASRec + Diffusion-GR2 (τ = 0.9)" in md and "0.0452 (+0.0051 [+0.0010, +0.0090])" in md
     assert "`something-else.json`" in md
+    assert "sent at 200 a second (open loop)" in md
+    assert "| Rerank | OK 40, RESOURCE_EXHAUSTED 360 | 1.4 | 2.4 | 7862.0 | 1.8 |" in md
     plots = tmp_path / "docs" / "plots"
     assert "| `m` | `f` | 4 | 0.500 | 0.250 |" in md
     assert "| `m2` | `f` | b 0.250 / 0.750 | 7 / 1 / 0 | 0.250 |" in md
