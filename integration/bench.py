@@ -550,9 +550,9 @@ def _overload_lines(o: dict) -> list[str]:
     for m in (o.get("refusal_p99_ms") or {}):
         d = o.get(m) or {}
         codes = ", ".join(f"{k} {v}" for k, v in (d.get("codes") or {}).items())
-        out.append(f"| {m} | {codes} | {_fmt((d.get('refusal_ms') or {}).get('p50'), 1)} | "
-                   f"{_fmt((d.get('refusal_ms') or {}).get('p99'), 1)} | {_fmt((d.get('ok_ms') or {}).get('p50'), 1)} | "
-                   f"{_fmt((d.get('send_lag_ms') or {}).get('p99'), 1)} |")
+        cells = [_fmt((d.get(key) or {}).get(q), 1)
+                 for key, q in (("refusal_ms", "p50"), ("refusal_ms", "p99"), ("ok_ms", "p50"), ("send_lag_ms", "p99"))]
+        out.append(f"| {m} | {codes} | " + " | ".join(cells) + " |")
     return out + [""]
 
 

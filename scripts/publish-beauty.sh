@@ -58,7 +58,8 @@ serve_pair() {  # the AR teacher and the diffusion student, each its own server,
   if [[ -e "$BUNDLE/release.json" ]]; then release=$(sha256sum "$BUNDLE/release.json" | cut -c1-12); fi
   "$DGR2" loadtest --target "ar=127.0.0.1:$AR_PORT,diffusion=127.0.0.1:$DIFF_PORT" \
     --requests "$BUNDLE/test.jsonl" --n 5000 --decoders ar,diffusion --concurrency 1,8,32 \
-    --duration-limit-s 7200 --overload 400 --overload-rate 200 --resume-file "$RUN/publish/loadtest-runs-$release.jsonl" \
+    --duration-limit-s 7200 --overload 400 --overload-rate 200 \
+    --resume-file "$RUN/publish/loadtest-runs-$release.jsonl" \
     --out docs/results/service-load.json
   stop_servers
 }

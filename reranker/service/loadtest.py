@@ -148,7 +148,7 @@ async def _run(target, rows, n_requests, concurrency, duration_limit_s, options,
     }
 
 
-async def _burst(target, rows, method, n, options, tls_ca, timeout_s, rate=None):
+async def _send_overload(target, rows, method, n, options, tls_ca, timeout_s, rate=None):
     """`n` calls of `method`: all at once (`rate` None), or open loop at `rate` calls a second, call i
     sent at i / rate seconds whatever the earlier ones are waiting for. (status code name, ms from
     the call's send, ms it was sent after its due time) of each."""
@@ -200,7 +200,7 @@ def overload(target: str, requests, n_calls: int = 200, methods: Sequence[str] =
     rows = _rows(requests, n_calls, item_ids, seed)
     out = {"calls_per_method": n_calls, "rate_per_s": rate, "options": dict(options or {})}
     for m in methods:
-        res = asyncio.run(_burst(target, rows, m, n_calls, dict(options or {}), tls_ca, timeout_s, rate))
+        res = asyncio.run(_send_overload(target, rows, m, n_calls, dict(options or {}), tls_ca, timeout_s, rate))
         refused = [ms for code, ms, _ in res if code == "RESOURCE_EXHAUSTED"]
         out[m] = {"codes": dict(Counter(code for code, *_ in res)), "refused": len(refused),
                   "refusal_ms": _percentiles(refused),
