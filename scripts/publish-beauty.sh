@@ -4,6 +4,8 @@
 # a marker in RUN/publish/, so a killed call resumes at the step it was in (FORCE=1 redoes them all).
 # When the run's models change (a recipe step rerun), move RUN/publish aside first: every step then
 # runs again in order, starting with the archiving of the earlier release's result files.
+# ONLY=step,step runs just the named steps (a remeasurement after a code change, say ONLY=loadtest,bench
+# on a machine whose run directory holds only the pipeline's data step: the loadtest needs the retriever).
 # Run it from the repository root on an otherwise idle machine (the speed and load figures are
 # timings):
 #
@@ -25,6 +27,9 @@ mkdir -p "$RUN/publish"
 
 step() {  # step NAME COMMAND...: run COMMAND once; its marker says it finished
   local name=$1; shift
+  if [[ -n "${ONLY:-}" && ",$ONLY," != *",$name,"* ]]; then
+    echo "[$name] not in ONLY=$ONLY, skipped"; return
+  fi
   if [[ -e "$RUN/publish/$name.done" && -z "${FORCE:-}" ]]; then
     echo "[$name] done before, skipped"; return
   fi

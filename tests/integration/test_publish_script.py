@@ -14,7 +14,7 @@ def fake_dgr2(tmp_path: Path, fail_on: str = "") -> Path:
     fake.write_text(f"""#!/usr/bin/env bash
 echo "$*" >> "{tmp_path}/calls.log"
 if [[ -n "{fail_on}" && "$*" == *"{fail_on}"* ]]; then exit 3; fi
-if [[ "$1" == serve ]]; then sleep 30; fi
+if [[ "$1" == serve ]]; then exec sleep 30; fi  # exec: a TERM ends it at once
 exit 0
 """)
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
@@ -67,3 +67,13 @@ def test_a_failed_step_stops_the_script_and_runs_again_next_time(tmp_path):
     assert again.returncode == 0
     calls = (tmp_path / "calls.log").read_text().splitlines()
     assert calls[0].startswith("release") and not any(c.startswith("pipeline") for c in calls)
+
+
+def test_only_runs_the_named_steps_and_leaves_the_others_unmarked(tmp_path):
+    done = run(tmp_path, fake_dgr2(tmp_path), ONLY="loadtest,bench")
+    assert done.returncode == 0, done.stderr
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    assert [c.split()[0] for c in calls if not c.startswith(("serve", "client"))] == ["loadtest", "bench"]
+    markers = sorted(p.name for p in (tmp_path / "run" / "publish").iterdir() if p.suffix == ".done")
+    assert markers == ["bench.done", "loadtest.done"]
+    assert "[release] not in ONLY=loadtest,bench, skipped" in done.stdout
