@@ -33,6 +33,7 @@ import asyncio
 import hashlib
 import json
 import os
+import platform
 import random
 import sys
 import time
@@ -46,7 +47,7 @@ import numpy as np
 from proto.diffusion_gr2.v1 import reranker_pb2 as pb
 from proto.diffusion_gr2.v1 import reranker_pb2_grpc as pb_grpc
 
-from candidate_gen.files import atomic_write_text, file_sha256, read_jsonl
+from candidate_gen.files import atomic_write_text, current_commit, file_sha256, read_jsonl
 
 from ..decoding import add_decode_flags, explicit_from_args
 from .client import channel, decode_options, rerank_request
@@ -259,6 +260,18 @@ def _run_key(shared: dict, target, concurrency, options) -> dict:
     return json.loads(json.dumps({"target": target, **shared, "concurrency": concurrency, "options": options}))
 
 
+def cpu_model() -> str:
+    """The processor's model name (Linux's cpuinfo), else platform.processor(): a resumed matrix may
+    hold runs of several machines, and a ratio means something only if its two runs share one."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def read_finished_runs(path: Path) -> list[dict]:
     """The {key, run} lines of a resume file; a last line cut short by a kill is dropped."""
     if not path.is_file():
@@ -289,14 +302,16 @@ def loadtest_matrix(target: str | dict, requests=None, n_requests: int = 5000, d
     resume_file: each finished configuration is appended there, and a later call with the same
     settings reuses it instead of sending its requests again (a matrix of 5,000 requests per
     configuration runs for hours on a CPU; a killed call resumes at the configuration it was in).
-    Each run records when it finished (`finished_utc`), so a resumed report shows its spread."""
+    Each run records when it finished (`finished_utc`), the commit and the CPU it was measured on,
+    so a resumed report shows its spread. The decoders of one concurrency run back to back, so the
+    two runs of a ratio are measured together, and a matrix stopped part way holds whole pairs."""
     targets = target if isinstance(target, dict) else {d: target for d in decoders}
     resume = Path(resume_file) if resume_file else None
     finished = read_finished_runs(resume) if resume else []
     shared = _matrix_key(requests, n_requests, duration_limit_s, kw) if resume else {}
     runs = []
-    for d in decoders:
-        for c in concurrencies:
+    for c in concurrencies:
+        for d in decoders:
             opts = {**(options or {}), "decoder": d}
             key = _run_key(shared, targets[d], c, opts)
             done = next((e["run"] for e in finished if e["key"] == key), None)
@@ -306,7 +321,8 @@ def loadtest_matrix(target: str | dict, requests=None, n_requests: int = 5000, d
                 continue
             print(f"{d} c={c}: {n_requests} requests to {targets[d]}", flush=True)
             run = loadtest(targets[d], requests, n_requests, c, duration_limit_s, opts, **kw)
-            run["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            run.update(finished_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), commit=current_commit(),
+                       cpu=cpu_model())
             runs.append(run)
             if resume:
                 resume.parent.mkdir(parents=True, exist_ok=True)

@@ -580,6 +580,7 @@ def test_a_resumed_loadtest_matrix_reuses_finished_configurations_only(server, t
               item_ids=ITEMS, resume_file=resume)
     first = lt.loadtest_matrix(server.target, None, n_requests=3, **kw)
     assert [r["ok"] for r in first["runs"]] == [3, 3] and all(r["finished_utc"] for r in first["runs"])
+    assert all(r["commit"] and r["cpu"] for r in first["runs"])  # a resumed matrix may span machines: each run says
     assert len(resume.read_text().splitlines()) == 2
     with resume.open("a") as f:
         f.write('{"key": {"target"')  # a kill mid-line
@@ -599,6 +600,24 @@ def test_a_resumed_loadtest_matrix_reuses_finished_configurations_only(server, t
     resume.write_text("\n".join([lines[0], "not json", *lines[1:]]) + "\n")
     with pytest.raises(ValueError, match=r"runs.jsonl:2: not a loadtest resume line"):
         lt.loadtest_matrix(server.target, None, n_requests=3, **kw)
+
+def test_a_matrix_runs_each_concurrencys_decoders_back_to_back(monkeypatch, tmp_path):
+    """The two runs of a ratio are measured one after the other, so a matrix stopped part way (and
+    resumed later, perhaps elsewhere) holds whole pairs."""
+    from reranker.service import loadtest as lt
+
+    sent = []
+
+    def fake(target, requests, n, c, limit, opts, **kw):
+        sent.append((opts["decoder"], c))
+        return {"options": opts, "concurrency": c, "qps": 1.0 + (opts["decoder"] == "diffusion")}
+
+    monkeypatch.setattr(lt, "loadtest", fake)
+    rep = lt.loadtest_matrix("h:1", None, 2, ("ar", "diffusion"), (1, 8), item_ids=ITEMS,
+                             resume_file=tmp_path / "runs.jsonl")
+    assert sent == [("ar", 1), ("diffusion", 1), ("ar", 8), ("diffusion", 8)]
+    assert rep["diffusion_over_ar_qps"] == {"1": 2.0, "8": 2.0}
+
 
 # ---- Recommend: a real RecBole SASRec + FAISS index over the same 30 items ---------------------
 TINY_SASREC = {"epochs": 1, "hidden_size": 16, "inner_size": 32, "n_layers": 1, "n_heads": 1,
