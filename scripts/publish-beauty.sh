@@ -56,15 +56,18 @@ serve_pair() {  # the AR teacher and the diffusion student, each its own server,
     done
     "$DGR2" client health --target "127.0.0.1:$port"
   done
-  # 5,000 requests per decoder and concurrency (about two hours here); the duration limit only guards
-  # against a hung server. Finished configurations are kept in a resume file named by the release they
-  # measured, so a stopped call resumes at the configuration it was in and a new release starts over.
+  # 5,000 requests per decoder and concurrency (two to four hours on a 2-core machine); the duration
+  # limit only guards against a hung server (it is part of the resume key). Finished configurations are
+  # kept in a resume file in docs/results, committed and named by the release they measured: a stopped
+  # call resumes at the configuration it was in, on this machine or another, and a new release starts
+  # over. The matrix runs each concurrency's AR and diffusion back to back and each run records its
+  # commit and CPU, so every ratio comes from two runs measured together.
   local release=unreleased
   if [[ -e "$BUNDLE/release.json" ]]; then release=$(sha256sum "$BUNDLE/release.json" | cut -c1-12); fi
   "$DGR2" loadtest --target "ar=127.0.0.1:$AR_PORT,diffusion=127.0.0.1:$DIFF_PORT" \
     --requests "$BUNDLE/test.jsonl" --n 5000 --decoders ar,diffusion --concurrency 1,8,32 \
     --duration-limit-s 7200 --overload 400 --overload-rate 200 \
-    --resume-file "$RUN/publish/loadtest-runs-$release.jsonl" \
+    --resume-file "docs/results/service-load-runs-$release.jsonl" \
     --out docs/results/service-load.json
   stop_servers
 }
