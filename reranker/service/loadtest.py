@@ -309,6 +309,7 @@ def loadtest_matrix(target: str | dict, requests=None, n_requests: int = 5000, d
     resume = Path(resume_file) if resume_file else None
     finished = read_finished_runs(resume) if resume else []
     shared = _matrix_key(requests, n_requests, duration_limit_s, kw) if resume else {}
+    measured_on = {"commit": current_commit(), "cpu": cpu_model()}  # what this call's runs were measured with
     runs = []
     for c in concurrencies:
         for d in decoders:
@@ -321,8 +322,7 @@ def loadtest_matrix(target: str | dict, requests=None, n_requests: int = 5000, d
                 continue
             print(f"{d} c={c}: {n_requests} requests to {targets[d]}", flush=True)
             run = loadtest(targets[d], requests, n_requests, c, duration_limit_s, opts, **kw)
-            run.update(finished_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), commit=current_commit(),
-                       cpu=cpu_model())
+            run.update(finished_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **measured_on)
             runs.append(run)
             if resume:
                 resume.parent.mkdir(parents=True, exist_ok=True)

@@ -601,6 +601,7 @@ def test_a_resumed_loadtest_matrix_reuses_finished_configurations_only(server, t
     with pytest.raises(ValueError, match=r"runs.jsonl:2: not a loadtest resume line"):
         lt.loadtest_matrix(server.target, None, n_requests=3, **kw)
 
+
 def test_a_matrix_runs_each_concurrencys_decoders_back_to_back(monkeypatch, tmp_path):
     """The two runs of a ratio are measured one after the other, so a matrix stopped part way (and
     resumed later, perhaps elsewhere) holds whole pairs."""
