@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -668,7 +669,7 @@ def _lines(stream, q):
 
 def launch_server(model_dir, data_dir, *extra, timeout: float = 90.0):
     """`python -m reranker.service.server` on a free port; returns (process, target, log lines, reader)
-    once it logs SERVING. The caller kills the process."""
+    once it logs SERVING (the lines up to then: `process.startup_log`). The caller kills the process."""
     cmd = [sys.executable, "-m", "reranker.service.server", "--model", str(model_dir), "--data", str(data_dir),
            "--port", "0", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -685,6 +686,7 @@ def launch_server(model_dir, data_dir, *extra, timeout: float = 90.0):
                 break
             continue
         if "SERVING on " in log[-1]:
+            proc.startup_log = "".join(log)
             return proc, log[-1].rsplit("SERVING on ", 1)[1].strip(), lines, reader
     proc.kill()
     proc.wait()
@@ -696,6 +698,9 @@ def test_sigterm_drains_the_real_server(dirs):
                                                 "--max-new-tokens", "400", "--drain-grace-s", "20")
     log = []
     try:
+        # the loaded heap is out of the collector's full collections before the server says SERVING
+        froze = re.search(r"froze (\d+) loaded objects", proc.startup_log)
+        assert froze and int(froze.group(1)) > 1000, proc.startup_log
         with RerankerClient(target, timeout=60) as c:
             assert c.health() == "SERVING"
             done = []
