@@ -4,8 +4,10 @@ transformers' DynamicLayer appends with torch.cat, so every forward copies every
 and after a block step's crop the next forward copies the cropped view again. A block-diffusion step
 crops and re-appends a 32-column window against a cache of 500-1,100 columns many times a block, so
 those copies are a real share of its cost on a CPU. Here an append writes the new columns into the
-buffer, a crop moves the end back, and attention gets views of the used columns. The buffer doubles
-when it fills (a Beauty decode: the prefill's buffer already holds the whole answer).
+buffer, a crop moves the end back, and attention gets views of the used columns. A full buffer is
+replaced by one of twice the columns needed (a Beauty decode: the prefill's buffer already holds the
+whole answer), so a cache holds up to twice its keys' memory: fine on a CPU service, a capacity hint
+would be the change for large GPU batches.
 
 Decode only: the next append overwrites columns a crop gave back, so a tensor kept from an earlier
 forward (an autograd graph, say) would see them change. The layer refuses keys that require grad.
@@ -61,6 +63,11 @@ class InPlaceLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n, q = self.length, key_states.shape[-2]
+        if self._key_buf is not None and (key_states.shape[:2] != self._key_buf.shape[:2]
+                                          or key_states.shape[-1] != self._key_buf.shape[-1]):
+            # an assignment would broadcast where torch.cat raises: refuse, naming both shapes
+            raise ValueError(f"new keys of shape {tuple(key_states.shape)} do not match a cache of "
+                             f"{tuple(self._key_buf.shape[:2])} rows x heads and head size {self._key_buf.shape[-1]}")
         if not self._fits(key_states, value_states, n + q):
             self._grow(n + q, key_states, value_states)
         self._key_buf[:, :, n:n + q] = key_states

@@ -9,7 +9,7 @@ import reranker.diffusion.ar_decoder as ar_decoder
 import reranker.diffusion.diffusion_decoder as diffusion_decoder
 import reranker.diffusion.lookup_decoder as lookup_decoder
 from reranker.diffusion import ar_decode, diffusion_decode
-from reranker.diffusion.forward import new_cache
+from reranker.diffusion.forward import compute_precision, new_cache
 from reranker.diffusion.independent_decoder import diffusion_decode_independent
 from reranker.diffusion.kv_cache import MIN_CAPACITY, InPlaceLayer
 from reranker.diffusion.lookup_decoder import ar_lookup_decode
@@ -48,7 +48,7 @@ def test_appends_crops_and_row_selections_match_dynamic_layer():
     assert ours._key_buf.shape[-2] > MIN_CAPACITY  # the run grew the buffer at least once
 
 
-def test_refuses_keys_that_require_grad_and_positive_crops():
+def test_refuses_keys_that_require_grad_positive_crops_and_mismatched_shapes():
     layer = InPlaceLayer()
     k = torch.randn(1, 1, 2, 4, requires_grad=True)
     with pytest.raises(RuntimeError, match="no_grad"):
@@ -56,6 +56,9 @@ def test_refuses_keys_that_require_grad_and_positive_crops():
     layer.update(k.detach(), k.detach())
     with pytest.raises(ValueError, match="negative"):
         layer.crop(1)
+    wider = torch.randn(3, 1, 2, 4)  # three rows against a one-row cache: torch.cat would raise too
+    with pytest.raises(ValueError, match=r"shape \(3, 1, 2, 4\)"):
+        layer.update(wider, wider)
 
 
 def test_the_decoders_cache_is_the_in_place_one_with_a_layer_per_model_layer():
@@ -90,15 +93,28 @@ DECODES = {
 }
 
 
+def chosen_logprobs(result):
+    """Per row, the log-probabilities of the tokens the decoder chose."""
+    if hasattr(result, "trajectories"):
+        return [tr.logprobs[:tr.length] for tr in result.trajectories]
+    return result.logprobs
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", sorted(DECODES))
-def test_every_decoder_writes_the_same_tokens_with_either_cache(name, monkeypatch):
+def test_every_decoder_writes_the_same_tokens_with_either_cache(name, precision, monkeypatch):
+    """Tokens, forward counts and the chosen tokens' log-probs; bfloat16 decodes run under autocast
+    (compute_precision), where keys and values reach the cache in different dtypes."""
     model, prompts = model_for("sdpa"), prompts_for(2)
     eos = frequent_token(model, prompts)
     decode = DECODES[name]
-    ours = decode(model, prompts, eos)
-    for module in (ar_decoder, diffusion_decoder, lookup_decoder):  # every module that makes a cache
-        monkeypatch.setattr(module, "new_cache", lambda m: DynamicCache(config=m.config))
-    ref = decode(model, prompts, eos)
+    with compute_precision(model.device, precision):
+        ours = decode(model, prompts, eos)
+        for module in (ar_decoder, diffusion_decoder, lookup_decoder):  # every module that makes a cache
+            monkeypatch.setattr(module, "new_cache", lambda m: DynamicCache(config=m.config))
+        ref = decode(model, prompts, eos)
     assert ours.tokens == ref.tokens
     assert any(len(t) < 20 for t in ref.tokens)  # EOS ended some row: a batch row left the cache
     assert ours.n_forward == ref.n_forward
+    for got, want in zip(chosen_logprobs(ours), chosen_logprobs(ref)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
