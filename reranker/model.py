@@ -1,7 +1,7 @@
 """Model building, loading and saving: a small Qwen3-architecture causal LM, or any local HF checkpoint.
 
 Everything downstream (SFT, conversion, decoding, RL) only assumes "a Hugging Face causal LM with
-full attention that accepts position_ids, a 4D additive mask and a DynamicCache", so a real local
+full attention that accepts position_ids, a 4D additive mask and a transformers `Cache`", so a real local
 Qwen3 directory works unchanged in place of the small default.
 """
 import contextlib

@@ -2,7 +2,7 @@
 (loss), AR -> block-diffusion conversion (convert), and the decoders that share the rule: AR, the
 B = 1 case and the teacher (ar_decoder), greedy AR with exact prompt-lookup drafts
 (lookup_decoder), block diffusion, the student (diffusion_decoder), all over one forward helper and
-KV cache (forward), with trajectory replay for OPD / RL (replay). The decode settings, commit rules
+KV cache (forward; the cache, which appends in place, is kv_cache), with trajectory replay for OPD / RL (replay). The decode settings, commit rules
 included, are reranker.decoding's.
 
 Imports are lazy; `from reranker.diffusion import

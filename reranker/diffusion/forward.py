@@ -10,10 +10,9 @@ import inspect
 import time
 
 import torch
-from transformers import DynamicCache
-
 from reranker.decoding import (DEFAULT_COMMIT_RULE, DEFAULT_COMPUTE_DTYPE,  # the decode settings' one owner
                                check_commit_rule, check_compute_dtype)
+from .kv_cache import in_place_cache
 
 
 def clock(device) -> float:
@@ -45,12 +44,14 @@ def compute_precision(device, compute_dtype=DEFAULT_COMPUTE_DTYPE):
 
 
 def new_cache(model):
-    """An empty KV cache. Our masks encode full (not sliding-window) attention, so refuse
-    configs with other layer types rather than decode them subtly wrong."""
-    types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
+    """An empty KV cache that appends in place (kv_cache.py). Our masks encode full (not
+    sliding-window) attention, so refuse configs with other layer types rather than decode them
+    subtly wrong."""
+    text = model.config.get_text_config(decoder=True)
+    types = getattr(text, "layer_types", None) or []
     if any(t != "full_attention" for t in types):
         raise NotImplementedError(f"only full-attention layers are supported, got {sorted(set(types))}")
-    return DynamicCache(config=model.config)
+    return in_place_cache(text.num_hidden_layers)
 
 
 def crop(cache, n):

@@ -305,6 +305,7 @@ def test_an_unconfirmed_draft_stops_the_run():
     assert plain.tolist() == [[True, True, False, False, False]]
 
 
+@torch.no_grad()  # as the decoders run it: their KV cache refuses keys that require grad
 def test_hidden_draft_columns_do_not_reach_earlier_columns():
     """block_step's `hidden`: a draft is a guess, so the columns before it must decode as if it were
     any other token; the columns after it do see it."""

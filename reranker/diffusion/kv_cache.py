@@ -1,0 +1,130 @@
+"""The decoders' KV cache: each layer keeps its keys and values in a buffer with spare columns.
+
+transformers' DynamicLayer appends with torch.cat, so every forward copies every layer's whole cache,
+and after a block step's crop the next forward copies the cropped view again. A block-diffusion step
+crops and re-appends a 32-column window against a cache of 500-1,100 columns many times a block, so
+those copies are a real share of its cost on a CPU. Here an append writes the new columns into the
+buffer, a crop moves the end back, and attention gets views of the used columns. A full buffer is
+replaced by one of twice the columns needed (a Beauty decode: the prefill's buffer already holds the
+whole answer), so a cache holds up to twice its keys' memory: fine on a CPU service, a capacity hint
+would be the change for large GPU batches.
+
+Decode only: the next append overwrites columns a crop gave back, so a tensor kept from an earlier
+forward (an autograd graph, say) would see them change. The layer refuses keys that require grad.
+"""
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+MIN_CAPACITY = 64  # columns a new buffer holds at least (one AR step must not reallocate every call)
+
+
+class InPlaceLayer(CacheLayerMixin):
+    """One attention layer's cache: buffers (b, heads, capacity, dim) and a used length."""
+
+    is_croppable = True
+
+    def __init__(self):
+        super().__init__()
+        self._key_buf = self._value_buf = None
+        self.length = 0
+
+    def lazy_initialization(self, key_states, value_states):
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def _expose(self):
+        self.keys = self._key_buf[:, :, :self.length]
+        self.values = self._value_buf[:, :, :self.length]
+
+    def _fits(self, key_states, value_states, needed):
+        """Whether the buffers take the new columns as they are: room for them, and a dtype the
+        new states need no promotion to (torch.cat would promote: a float32 step against a
+        bfloat16-autocast prefill, as the forward-cost table runs, makes the cache float32)."""
+        return (self._key_buf is not None and needed <= self._key_buf.shape[-2]
+                and all(buf.dtype == new.dtype or torch.promote_types(buf.dtype, new.dtype) == buf.dtype
+                        for buf, new in ((self._key_buf, key_states), (self._value_buf, value_states))))
+
+    def _grow(self, needed, key_states, value_states):
+        capacity = max(2 * needed, MIN_CAPACITY, 0 if self._key_buf is None else self._key_buf.shape[-2])
+        bufs = []
+        for new, old in ((key_states, self._key_buf), (value_states, self._value_buf)):
+            b, heads, _, dim = new.shape
+            dtype = new.dtype if old is None else torch.promote_types(old.dtype, new.dtype)
+            buf = new.new_empty((b, heads, capacity, dim), dtype=dtype)
+            if old is not None and self.length:
+                buf[:, :, :self.length] = old[:, :, :self.length]
+            bufs.append(buf)
+        self._key_buf, self._value_buf = bufs
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if key_states.requires_grad or value_states.requires_grad:
+            raise RuntimeError("the in-place KV cache is for decoding under torch.no_grad(); "
+                               "a later append would overwrite keys an autograd graph still holds")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, q = self.length, key_states.shape[-2]
+        if self._key_buf is not None and (key_states.shape[:2] != self._key_buf.shape[:2]
+                                          or key_states.shape[-1] != self._key_buf.shape[-1]):
+            # an assignment would broadcast where torch.cat raises: refuse, naming both shapes
+            raise ValueError(f"new keys of shape {tuple(key_states.shape)} do not match a cache of "
+                             f"{tuple(self._key_buf.shape[:2])} rows x heads and head size {self._key_buf.shape[-1]}")
+        if not self._fits(key_states, value_states, n + q):
+            self._grow(n + q, key_states, value_states)
+        self._key_buf[:, :, n:n + q] = key_states
+        self._value_buf[:, :, n:n + q] = value_states
+        self.length = n + q
+        self._expose()
+        return self.keys, self.values
+
+    def get_seq_length(self):
+        return self.length
+
+    def get_mask_sizes(self, query_length):
+        return self.length + query_length, 0
+
+    def get_max_length(self):
+        return -1
+
+    def crop(self, tokens_to_remove):
+        """Drop the last -tokens_to_remove columns (a negative count, as transformers 5.x's crop)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of columns to drop, got {tokens_to_remove}")
+        if tokens_to_remove == 0 or self._key_buf is None:
+            return
+        self.length = max(0, self.length + tokens_to_remove)
+        self._expose()
+
+    def batch_select_indices(self, indices):
+        """Keep batch rows `indices` (rows that finished stop costing compute)."""
+        if self._key_buf is None:
+            return
+        idx = indices.to(self._key_buf.device)
+        self._key_buf = self._key_buf.index_select(0, idx)
+        self._value_buf = self._value_buf.index_select(0, idx)
+        self._expose()
+
+    def batch_repeat_interleave(self, repeats):
+        if self._key_buf is None:
+            return
+        self._key_buf = self._key_buf.repeat_interleave(repeats, dim=0)
+        self._value_buf = self._value_buf.repeat_interleave(repeats, dim=0)
+        self._expose()
+
+    def reorder_cache(self, beam_idx):
+        self.batch_select_indices(beam_idx)
+
+    def reset(self):
+        self._key_buf = self._value_buf = self.keys = self.values = None
+        self.length = 0
+        self.is_initialized = False
+
+    def offload(self):
+        raise NotImplementedError("the in-place KV cache does not offload")
+
+    def prefetch(self):
+        raise NotImplementedError("the in-place KV cache does not offload")
+
+
+def in_place_cache(num_layers: int) -> Cache:
+    """An empty cache of `num_layers` in-place layers."""
+    return Cache(layers=[InPlaceLayer() for _ in range(num_layers)])
