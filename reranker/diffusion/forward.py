@@ -10,6 +10,7 @@ import inspect
 import time
 
 import torch
+
 from reranker.decoding import (DEFAULT_COMMIT_RULE, DEFAULT_COMPUTE_DTYPE,  # the decode settings' one owner
                                check_commit_rule, check_compute_dtype)
 from .kv_cache import in_place_cache
