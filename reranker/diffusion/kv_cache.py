@@ -18,6 +18,12 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 MIN_CAPACITY = 64  # columns a new buffer holds at least (one AR step must not reallocate every call)
 
 
+def _holds(buffer_dtype, new_dtype) -> bool:
+    """Whether a buffer of buffer_dtype takes new states as torch.cat would keep it (no promotion).
+    Equal dtypes first: the common case costs one comparison per append."""
+    return buffer_dtype == new_dtype or torch.promote_types(buffer_dtype, new_dtype) == buffer_dtype
+
+
 class InPlaceLayer(CacheLayerMixin):
     """One attention layer's cache: buffers (b, heads, capacity, dim) and a used length."""
 
@@ -40,9 +46,9 @@ class InPlaceLayer(CacheLayerMixin):
         """Whether the buffers take the new columns as they are: room for them, and a dtype the
         new states need no promotion to (torch.cat would promote: a float32 step against a
         bfloat16-autocast prefill, as the forward-cost table runs, makes the cache float32)."""
-        return (self._key_buf is not None and needed <= self._key_buf.shape[-2]
-                and all(buf.dtype == new.dtype or torch.promote_types(buf.dtype, new.dtype) == buf.dtype
-                        for buf, new in ((self._key_buf, key_states), (self._value_buf, value_states))))
+        k, v = self._key_buf, self._value_buf
+        return (k is not None and needed <= k.shape[-2]
+                and _holds(k.dtype, key_states.dtype) and _holds(v.dtype, value_states.dtype))
 
     def _grow(self, needed, key_states, value_states):
         capacity = max(2 * needed, MIN_CAPACITY, 0 if self._key_buf is None else self._key_buf.shape[-2])

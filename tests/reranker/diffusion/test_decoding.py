@@ -6,15 +6,9 @@ from reranker.diffusion import ar_decode, commit_confident, diffusion_decode
 from reranker.diffusion.diffusion_decoder import block_step, prefill
 from reranker.diffusion.forward import forward
 from reranker.diffusion.masks import diffusion_training_mask, left_pad
-from tiny_decoder import EOS, MASK, PAD, model_for, prompts_for
+from tiny_decoder import EOS, MASK, PAD, frequent_token, model_for, prompts_for
 
 torch.set_num_threads(1)
-
-
-def frequent_token(model, prompts):
-    """A token the random model emits often: used as EOS so that some rows stop early."""
-    out = ar_decode(model, prompts, 12, eos_token_id=-1).tokens
-    return torch.tensor(sum((t[2:] for t in out), [])).mode().values.item()
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])

@@ -13,7 +13,7 @@ from reranker.diffusion.forward import compute_precision, new_cache
 from reranker.diffusion.independent_decoder import diffusion_decode_independent
 from reranker.diffusion.kv_cache import MIN_CAPACITY, InPlaceLayer
 from reranker.diffusion.lookup_decoder import ar_lookup_decode
-from tiny_decoder import MASK, PAD, model_for, prompts_for
+from tiny_decoder import MASK, PAD, frequent_token, model_for, prompts_for
 
 torch.set_num_threads(1)
 
@@ -66,12 +66,6 @@ def test_the_decoders_cache_is_the_in_place_one_with_a_layer_per_model_layer():
     cache = new_cache(model)
     assert len(cache.layers) == model.config.num_hidden_layers
     assert all(isinstance(layer, InPlaceLayer) for layer in cache.layers)
-
-
-def frequent_token(model, prompts):
-    """A token the random model emits often: as EOS it stops some rows early (rows leave the cache)."""
-    out = ar_decode(model, prompts, 12, eos_token_id=-1).tokens
-    return torch.tensor(sum((t[2:] for t in out), [])).mode().values.item()
 
 
 DECODES = {

@@ -5,7 +5,7 @@ import torch
 
 from reranker.diffusion import ar_decode
 from reranker.diffusion.lookup_decoder import NgramIndex, ar_lookup_decode
-from tiny_decoder import PAD, model_for, prompts_for
+from tiny_decoder import PAD, frequent_token, model_for, prompts_for
 
 torch.set_num_threads(1)
 
@@ -28,11 +28,6 @@ def repeating_prompts(model, lens):
     base = prompts_for(0, lens)
     cont = ar_decode(model, base, 12, eos_token_id=-1).tokens
     return [p + c + p for p, c in zip(base, cont)]
-
-
-def frequent_token(model, prompts, n):
-    out = ar_decode(model, prompts, n, eos_token_id=-1).tokens
-    return torch.tensor(sum((t[2:] for t in out), [])).mode().values.item()
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
