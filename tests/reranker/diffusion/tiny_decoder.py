@@ -1,5 +1,6 @@
-"""A tiny random Qwen3 and prompts for the decoding tests (test_decoding, test_replay, test_lookup_decoding, test_kv_cache): the same
-vocabulary, special tokens and seeds, so both files test the decoders on the same model."""
+"""A tiny random Qwen3, prompts and an EOS choice for the decoding tests (test_decoding, test_replay,
+test_lookup_decoding, test_kv_cache): the same vocabulary, special tokens and seeds, so every file
+tests the decoders on the same model."""
 import torch
 
 from reranker.diffusion import ar_decode
