@@ -59,6 +59,11 @@ class DiffusionResult:
     steps_per_block: list   # per row: steps its blocks needed
     prefill_seconds: float = 0.0  # wall time of the prompt prefill (it yields no token)
     n_columns: int = 0  # noisy window columns run, summed over steps (window / reuse_settled run fewer)
+    # Every column each step ran through the model, summed over its rows (noisy windows and clean
+    # writes), and how many of those were padding: a batch's inputs are rectangular, so when some rows
+    # of an independent-rows step write a finished block, the others run as many padding columns.
+    column_rows: int = 0
+    padding_column_rows: int = 0
 
 
 def prefill(model, ids, plen):
@@ -202,7 +207,7 @@ def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, 
     length = torch.zeros(b, dtype=torch.long, device=dev)
     steps_per_block = [[] for _ in range(b)]
     arange_b = torch.arange(B, device=dev)
-    pending, n_steps, n_columns = None, 0, 0
+    pending, n_steps, n_columns, column_rows = None, 0, 0, 0
     for k in range(n_blocks):
         nb = len(rows)
         canvas = torch.full((nb, B), mask_token_id, dtype=torch.long, device=dev)
@@ -244,6 +249,7 @@ def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, 
                                                         keep=arange_b[need[0]:need[1]],
                                                         retain=settle - start, mask_memo=mask_memo,
                                                         hidden=None if drafted is None else drafted[:, start:end])
+            column_rows += window_ids.numel() + (0 if pending is None else pending[0].numel())
             pending = None
             n_forward, n_steps = n_forward + 1, n_steps + 1
             n_columns += end - start
@@ -287,7 +293,7 @@ def diffusion_decode(model, prompts, max_new_tokens, block_size, mask_token_id, 
         pending = (pending_ids, win_pos, pre + k)
     res = collect_result(traj_tok, traj_step, traj_lp, length, B, n_forward, n_steps, steps_per_block,
                          prefill_seconds)
-    res.n_columns = n_columns
+    res.n_columns, res.column_rows = n_columns, column_rows
     return res
 
 

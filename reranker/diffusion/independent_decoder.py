@@ -87,7 +87,7 @@ def diffusion_decode_independent(model, prompts, max_new_tokens, block_size, mas
     canvas = torch.full((b, B), mask_token_id, dtype=torch.long, device=dev)
     step_of = torch.full_like(canvas, -1)
     lp_blk = torch.zeros(b, B, device=dev)
-    pending, n_steps = None, 0
+    pending, n_steps, column_rows, padding = None, 0, 0, 0
     while len(rows):
         limit = (max_new_tokens - k * B).clamp(max=B)
         stop = torch.minimum(_first_eos(canvas, step_of, eos_token_id), limit)
@@ -97,6 +97,10 @@ def diffusion_decode_independent(model, prompts, max_new_tokens, block_size, mas
         window = torch.cat([last[:, None], canvas[:, :-1]], 1)
         logits, cache_blk, cache_valid = ragged_block_step(model, cache, cache_blk, cache_valid, window, win_pos,
                                                            pre + k, pending, keep=arange_b[lo:hi])
+        column_rows += window.numel()
+        if pending is not None:
+            column_rows += pending[0].numel()
+            padding += int((~pending[3]).sum()) * B  # rows with no finished block to write
         pending = None
         n_forward, n_steps = n_forward + 1, n_steps + 1
         commit, tok, lp = choose_commits(logits, eligible[:, lo:hi], s == cap - 1,  # a row's last allowed step
@@ -139,5 +143,8 @@ def diffusion_decode_independent(model, prompts, max_new_tokens, block_size, mas
                 x[idx] for x in (rows, last, pad_left, k, s, canvas, step_of, lp_blk, cache_blk, cache_valid))
             if pending is not None:
                 pending = tuple(x[idx] for x in pending)
-    return collect_result(traj_tok, traj_step, traj_lp, length, B, n_forward, n_steps, steps_per_block,
-                          prefill_seconds)
+    res = collect_result(traj_tok, traj_step, traj_lp, length, B, n_forward, n_steps, steps_per_block,
+                         prefill_seconds)
+    res.n_columns = n_steps * B
+    res.column_rows, res.padding_column_rows = column_rows, padding
+    return res

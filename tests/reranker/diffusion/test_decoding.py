@@ -318,3 +318,30 @@ def test_hidden_draft_columns_do_not_reach_earlier_columns():
         logits.append(out)
     torch.testing.assert_close(logits[0][:, :2], logits[1][:, :2])  # before the drafts: unchanged
     assert not torch.allclose(logits[0][:, 4], logits[1][:, 4])  # after them: they are seen
+
+
+@pytest.mark.parametrize("tau", [0.3, 0.6])
+def test_column_counts_account_for_every_column_run(tau):
+    """The column-rows a decode reports are its noisy windows (B per row and step), its clean writes
+    (B per finished block that is not a row's last) and, with rows in different blocks, padding: the
+    clean-write columns of rows with nothing to write. Lockstep rows write their blocks together, so
+    they run no padding, and a lone row runs none under either schedule."""
+    from reranker.diffusion.independent_decoder import diffusion_decode_independent
+
+    B = 4
+    model, prompts = model_for("sdpa"), prompts_for(4, lens=(5, 9, 1, 7, 3, 11))
+    eos = frequent_token(model, prompts)
+    kw = dict(tau=tau, commit_rule="prefix", hold_eos=True)
+    ind = diffusion_decode_independent(model, prompts, 19, B, MASK, eos, **kw)
+    noisy = B * sum(sum(spb) for spb in ind.steps_per_block)
+    clean = B * sum(len(spb) - 1 for spb in ind.steps_per_block)
+    assert ind.padding_column_rows > 0  # these rows fall out of step, so some write while others do not
+    assert ind.column_rows == noisy + clean + ind.padding_column_rows
+    lock = diffusion_decode(model, prompts, 19, B, MASK, eos, **kw)
+    assert lock.padding_column_rows == 0 and lock.column_rows > 0
+    for p in prompts[:2]:
+        one_ind = diffusion_decode_independent(model, [p], 19, B, MASK, eos, **kw)
+        one_lock = diffusion_decode(model, [p], 19, B, MASK, eos, **kw)
+        assert one_ind.padding_column_rows == 0
+        assert one_ind.column_rows == one_lock.column_rows == B * (sum(one_ind.steps_per_block[0])
+                                                                   + len(one_ind.steps_per_block[0]) - 1)
