@@ -87,7 +87,7 @@ def diffusion_decode_independent(model, prompts, max_new_tokens, block_size, mas
     canvas = torch.full((b, B), mask_token_id, dtype=torch.long, device=dev)
     step_of = torch.full_like(canvas, -1)
     lp_blk = torch.zeros(b, B, device=dev)
-    pending, n_steps, column_rows, padding = None, 0, 0, 0
+    pending, n_steps, column_rows, clean_column_rows = None, 0, 0, 0
     while len(rows):
         limit = (max_new_tokens - k * B).clamp(max=B)
         stop = torch.minimum(_first_eos(canvas, step_of, eos_token_id), limit)
@@ -99,8 +99,7 @@ def diffusion_decode_independent(model, prompts, max_new_tokens, block_size, mas
                                                            pre + k, pending, keep=arange_b[lo:hi])
         column_rows += window.numel()
         if pending is not None:
-            column_rows += pending[0].numel()
-            padding += int((~pending[3]).sum()) * B  # rows with no finished block to write
+            clean_column_rows += pending[0].numel()
         pending = None
         n_forward, n_steps = n_forward + 1, n_steps + 1
         commit, tok, lp = choose_commits(logits, eligible[:, lo:hi], s == cap - 1,  # a row's last allowed step
@@ -146,5 +145,8 @@ def diffusion_decode_independent(model, prompts, max_new_tokens, block_size, mas
     res = collect_result(traj_tok, traj_step, traj_lp, length, B, n_forward, n_steps, steps_per_block,
                          prefill_seconds)
     res.n_columns = n_steps * B
-    res.column_rows, res.padding_column_rows = column_rows, padding
+    # Every block but a row's last is written once; the rest of the clean-write columns were padding
+    # (derived here, so the step loop adds no reduction).
+    written = B * sum(len(spb) - 1 for spb in steps_per_block)
+    res.column_rows, res.padding_column_rows = column_rows + clean_column_rows, clean_column_rows - written
     return res
