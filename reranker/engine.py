@@ -254,7 +254,7 @@ class RerankEngine:
                                                                      or options.lookup_drafts):
             # Rows move through their blocks independently: greedy, each row gets the tokens the
             # lockstep decoder gives it (and it alone), without waiting for the batch's slowest row in
-            # every block (1.22x against 0.78x the AR teacher at batch 8 on Beauty, docs/EXPERIMENTS.md).
+            # every block, and its steps are packed (no padding columns; docs/EXPERIMENTS.md).
             res = diffusion_decode_independent(*args, **common)
         else:
             res = diffusion_decode(*args, **common, temperature=options.temperature, generator=gen,

@@ -59,11 +59,8 @@ class DiffusionResult:
     steps_per_block: list   # per row: steps its blocks needed
     prefill_seconds: float = 0.0  # wall time of the prompt prefill (it yields no token)
     n_columns: int = 0  # noisy window columns run, summed over steps (window / reuse_settled run fewer)
-    # Every column each step ran through the model, summed over its rows (noisy windows and clean
-    # writes), and how many of those were padding: a batch's inputs are rectangular, so when some rows
-    # of an independent-rows step write a finished block, the others run as many padding columns.
+    # Every column each step ran through the model, summed over its rows: noisy windows and clean writes.
     column_rows: int = 0
-    padding_column_rows: int = 0
 
 
 def prefill(model, ids, plen):

@@ -66,11 +66,14 @@ def select_rows(cache, idx):
     cache.batch_select_indices(idx)
 
 
-def forward(model, input_ids, position_ids, mask, cache=None, logits_to_keep=0):
+def forward(model, input_ids, position_ids, mask, cache=None, logits_to_keep=0, packed_rows=None):
     """Logits (float32) for input_ids; grows `cache` in place by input_ids.shape[1] columns.
 
     mask: additive float (b, 1, q, cached + q) or boolean 'allowed' of that shape; it is cast to
     the model dtype here (sdpa wants the mask in the query dtype).
+    packed_rows: a packed_rows.PackedRows plan (input_ids (1, N) hold several rows' columns, which
+    its attention writes into plan.cache itself; `cache` is then None and the mask is the plan's
+    (b, 1, width, kv_len)). Only inside packed_rows_attention(model).
     """
     dtype = model.dtype
     if mask.dtype == torch.bool:
@@ -78,6 +81,8 @@ def forward(model, input_ids, position_ids, mask, cache=None, logits_to_keep=0):
     elif mask.dtype != dtype:
         mask = torch.where(mask < 0, torch.finfo(dtype).min, torch.zeros((), dtype=dtype))
     kwargs = {_cache_kwarg(type(model)): cache} if cache is not None else {}
+    if packed_rows is not None:
+        kwargs["packed_rows"] = packed_rows
     out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask.to(input_ids.device),
                 use_cache=cache is not None, logits_to_keep=logits_to_keep, **kwargs)
     return out.logits.float()

@@ -9,8 +9,10 @@ of an earlier block of my row, or my own window?" (masks.py), and block and vali
 per row.
 
 A row entering a new block writes its finished block's clean window into the cache in the same
-forward as its first noisy window (as the lockstep decoder does). Those B cache columns are appended
-for every row; for the rows that had no block to write they are padding (invalid keys). Greedy
+forward as its first noisy window (as the lockstep decoder does). The other rows have nothing to
+write, so a rectangular (b, 2B) input would run B padding columns for each of them; the step is
+packed instead (packed_rows.py): one sequence of every row's noisy window and the writing rows'
+clean windows, attention per row against caches whose lengths now differ from row to row. Greedy
 decoding gives each row the tokens it gets decoded alone (a test), and the same trajectory record,
 so OPD and RL can replay it. Sampled decoding draws in another order than the lockstep decoder,
 so the two agree in distribution there, not draw for draw.
@@ -22,38 +24,54 @@ import torch
 from reranker.decoding import DEFAULT_COMMIT_RULE, DEFAULT_TAU
 
 from .diffusion_decoder import _first_eos, choose_commits, collect_result, needed_columns, prefill
-from .forward import check_commit_rule, clock, crop, forward, select_rows
-from .masks import block_causal_mask, left_pad
+from .forward import check_commit_rule, clock, forward, select_rows
+from .masks import left_pad
+from .packed_rows import PackedRows, packed_rows_attention
 
 
-def ragged_block_step(model, cache, cache_blk, cache_valid, window, window_pos, window_blk, pending=None, keep=None):
-    """One denoising step for rows in different blocks. cache_blk / cache_valid: (b, cols) per row;
-    window_blk: (b,) each row's block id. pending = (ids, pos, blk (b,), has (b,) bool): the clean
-    window of the block a row just finished, written to the cache in this forward where `has`.
-    Returns (logits (b, len(keep), V), cache_blk, cache_valid)."""
+def packed_block_step(model, cache, lens, pad_left, window, window_pos, pending=None, keep=None):
+    """One denoising step for rows in different blocks, packed (packed_rows.py). lens: (b,) each
+    row's cache length; pad_left: (b,) its prompt's left padding (invalid cache columns).
+    pending = (ids, pos, has (b,) bool): the clean window of the block a row just finished, written to
+    the cache in this forward where `has`. The noisy windows' keys go past each row's length and are
+    dropped by not counting them; a written clean window is counted, here (`lens` changes in place).
+    Returns logits (b, len(keep), V).
+
+    The mask needs no block ids: a row's cache holds only clean columns of its earlier blocks (its
+    prompt, then finished blocks; packed rows write no padding), so masks.py's rule reduces to "every
+    valid column of the row up to the end of my own window": a clean window's queries see its row's
+    cache and itself, a noisy window's see those and itself, and nothing sees a noisy window but
+    itself, because it lies past everything else the row holds."""
     b, B = window.shape
     dev = window.device
-    ids, pos = window, window_pos
-    q_blk = window_blk[:, None].expand(b, B)
-    q_grp = torch.ones(b, B, dtype=torch.long, device=dev)
-    q_valid = torch.ones(b, B, dtype=torch.bool, device=dev)
+    arange_b = torch.arange(B, device=dev)
+    keep = arange_b if keep is None else keep.to(dev)
+    if pending is not None and not bool(pending[2].any()):  # its rows left the batch
+        pending = None
+    ids, pos = window.reshape(-1), window_pos.reshape(-1)
+    start = lens  # where each row's noisy window goes: after its clean window when it writes one
     if pending is not None:
-        p_ids, p_pos, p_blk, has = pending
-        ids, pos = torch.cat([p_ids, ids], 1), torch.cat([p_pos, pos], 1)
-        q_blk = torch.cat([p_blk[:, None].expand(b, B), q_blk], 1)
-        q_grp = torch.cat([torch.zeros_like(q_grp), q_grp], 1)
-        q_valid = torch.cat([has[:, None].expand(b, B), q_valid], 1)
-    kv_blk = torch.cat([cache_blk, q_blk], 1)
-    kv_grp = torch.cat([torch.zeros_like(cache_blk), q_grp], 1)
-    kv_valid = torch.cat([cache_valid, q_valid], 1)
-    offset = ids.shape[1] - B  # the noisy window is the last B columns
-    keep = torch.arange(B, device=dev) if keep is None else keep.to(dev)
-    logits = forward(model, ids, pos, block_causal_mask(q_blk, q_grp, kv_blk, kv_grp, kv_valid), cache,
-                     logits_to_keep=keep + offset)
-    crop(cache, B)
+        p_ids, p_pos, has = pending
+        writers = has.nonzero().squeeze(1)
+        start = lens + B * has
+        ids, pos = torch.cat([ids, p_ids[writers].reshape(-1)]), torch.cat([pos, p_pos[writers].reshape(-1)])
+    rows = torch.arange(b, device=dev).repeat_interleave(B)
+    cols = start[rows] + arange_b.repeat(b)
+    kv_len = int((start + B).max())
+    col = torch.arange(kv_len, device=dev)[None]
+    seen = col >= pad_left[:, None]
+    mask = (seen & (col < (start + B)[:, None]))[:, None].expand(-1, B, -1)  # the noisy windows' queries
     if pending is not None:
-        cache_blk, cache_valid = kv_blk[:, :-B], kv_valid[:, :-B]
-    return logits, cache_blk, cache_valid
+        w_rows = writers.repeat_interleave(B)
+        rows, cols = torch.cat([rows, w_rows]), torch.cat([cols, lens[w_rows] + arange_b.repeat(len(writers))])
+        clean = (seen[writers] & (col < (lens[writers] + B)[:, None]))[:, None].expand(-1, B, -1)
+        mask = torch.cat([mask, clean])  # then the clean windows' queries
+    plan = PackedRows(cache, b, B, rows, cols, None if pending is None else writers, kv_len)
+    keep_at = (torch.arange(b, device=dev)[:, None] * B + keep[None]).reshape(-1)
+    logits = forward(model, ids[None], pos[None], mask[:, None], logits_to_keep=keep_at, packed_rows=plan)
+    if pending is not None:
+        lens += B * has
+    return logits.view(b, len(keep), -1)
 
 
 @torch.no_grad()
@@ -62,6 +80,14 @@ def diffusion_decode_independent(model, prompts, max_new_tokens, block_size, mas
                                  generator=None, commit_rule=DEFAULT_COMMIT_RULE, hold_eos=False):
     """diffusion_decode's contract (arguments, commit rules, EOS hold, DiffusionResult), rows advancing
     independently. Returns a DiffusionResult."""
+    with packed_rows_attention(model):
+        return _decode_independent(model, prompts, max_new_tokens, block_size, mask_token_id, eos_token_id,
+                                   pad_token_id, tau, temperature, max_steps_per_block, generator, commit_rule,
+                                   hold_eos)
+
+
+def _decode_independent(model, prompts, max_new_tokens, block_size, mask_token_id, eos_token_id, pad_token_id, tau,
+                        temperature, max_steps_per_block, generator, commit_rule, hold_eos):
     dev, B = model.device, block_size
     cap = max_steps_per_block or B
     check_commit_rule(commit_rule)
@@ -70,10 +96,10 @@ def diffusion_decode_independent(model, prompts, max_new_tokens, block_size, mas
     b, P = ids.shape
     pre = P - 1
     t0 = clock(dev)
-    cache, blk, cache_valid, n_forward = prefill(model, ids, plen)
+    cache, _, _, n_forward = prefill(model, ids, plen)
     prefill_seconds = clock(dev) - t0
-    cache_blk = blk[None].expand(b, -1)
     n_blocks = math.ceil(max_new_tokens / B)
+    lens = torch.full((b,), pre, dtype=torch.long, device=dev)  # each row's cache columns
     arange_b = torch.arange(B, device=dev)
     traj_tok = torch.full((b, n_blocks * B), mask_token_id, dtype=torch.long, device=dev)
     traj_step = torch.full_like(traj_tok, -1)
@@ -87,7 +113,7 @@ def diffusion_decode_independent(model, prompts, max_new_tokens, block_size, mas
     canvas = torch.full((b, B), mask_token_id, dtype=torch.long, device=dev)
     step_of = torch.full_like(canvas, -1)
     lp_blk = torch.zeros(b, B, device=dev)
-    pending, n_steps, column_rows, clean_column_rows = None, 0, 0, 0
+    pending, n_steps, column_rows = None, 0, 0
     while len(rows):
         limit = (max_new_tokens - k * B).clamp(max=B)
         stop = torch.minimum(_first_eos(canvas, step_of, eos_token_id), limit)
@@ -95,11 +121,8 @@ def diffusion_decode_independent(model, prompts, max_new_tokens, block_size, mas
         lo, hi = needed_columns(eligible)  # every active row has a masked column (finished rows moved on)
         win_pos = pre + k[:, None] * B + arange_b[None] - pad_left[:, None]
         window = torch.cat([last[:, None], canvas[:, :-1]], 1)
-        logits, cache_blk, cache_valid = ragged_block_step(model, cache, cache_blk, cache_valid, window, win_pos,
-                                                           pre + k, pending, keep=arange_b[lo:hi])
-        column_rows += window.numel()
-        if pending is not None:
-            clean_column_rows += pending[0].numel()
+        logits = packed_block_step(model, cache, lens, pad_left, window, win_pos, pending, keep=arange_b[lo:hi])
+        column_rows += window.numel() + (0 if pending is None else B * int(pending[2].sum()))
         pending = None
         n_forward, n_steps = n_forward + 1, n_steps + 1
         commit, tok, lp = choose_commits(logits, eligible[:, lo:hi], s == cap - 1,  # a row's last allowed step
@@ -126,7 +149,7 @@ def diffusion_decode_independent(model, prompts, max_new_tokens, block_size, mas
         done = fin & (has_eos | (k + 1 >= n_blocks))
         advance = fin & ~done
         if advance.any():
-            pending = (torch.cat([last[:, None], canvas[:, :-1]], 1), win_pos, pre + k, advance)
+            pending = (torch.cat([last[:, None], canvas[:, :-1]], 1), win_pos, advance)
             last = torch.where(advance, canvas[:, -1], last)
             k = torch.where(advance, k + 1, k)
             s = torch.where(advance, 0, s)
@@ -138,15 +161,12 @@ def diffusion_decode_independent(model, prompts, max_new_tokens, block_size, mas
             if len(idx) == 0:
                 break
             select_rows(cache, idx)
-            rows, last, pad_left, k, s, canvas, step_of, lp_blk, cache_blk, cache_valid = (
-                x[idx] for x in (rows, last, pad_left, k, s, canvas, step_of, lp_blk, cache_blk, cache_valid))
+            rows, last, pad_left, k, s, canvas, step_of, lp_blk, lens = (
+                x[idx] for x in (rows, last, pad_left, k, s, canvas, step_of, lp_blk, lens))
             if pending is not None:
                 pending = tuple(x[idx] for x in pending)
     res = collect_result(traj_tok, traj_step, traj_lp, length, B, n_forward, n_steps, steps_per_block,
                          prefill_seconds)
     res.n_columns = n_steps * B
-    # Every block but a row's last is written once; the rest of the clean-write columns were padding
-    # (derived here, so the step loop adds no reduction).
-    written = B * sum(len(spb) - 1 for spb in steps_per_block)
-    res.column_rows, res.padding_column_rows = column_rows + clean_column_rows, clean_column_rows - written
+    res.column_rows = column_rows  # packed steps run no padding columns
     return res

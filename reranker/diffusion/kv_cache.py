@@ -54,7 +54,8 @@ class InPlaceLayer(CacheLayerMixin):
         capacity = max(2 * needed, MIN_CAPACITY, 0 if self._key_buf is None else self._key_buf.shape[-2])
         bufs = []
         for new, old in ((key_states, self._key_buf), (value_states, self._value_buf)):
-            b, heads, _, dim = new.shape
+            _, heads, _, dim = new.shape
+            b = new.shape[0] if old is None else old.shape[0]  # packed rows pass (1, heads, N, dim)
             dtype = new.dtype if old is None else torch.promote_types(old.dtype, new.dtype)
             buf = new.new_empty((b, heads, capacity, dim), dtype=dtype)
             if old is not None and self.length:
@@ -79,6 +80,26 @@ class InPlaceLayer(CacheLayerMixin):
         self._key_buf[:, :, n:n + q] = key_states
         self._value_buf[:, :, n:n + q] = value_states
         self.length = n + q
+        self._expose()
+        return self.keys, self.values
+
+    def write_rows(self, rows, cols, keys, values, kv_len, batch):
+        """Packed columns into rows of their own (packed_rows.py): column i of keys / values
+        (kv_heads, N, dim) goes to batch row rows[i] (of `batch`), cache column cols[i]; rows then
+        hold caches of different lengths, which the caller tracks. Returns views of the first kv_len
+        columns of every row. The layer's `length` becomes kv_len: what a later growth must copy."""
+        if keys.requires_grad or values.requires_grad:
+            raise RuntimeError("the in-place KV cache is for decoding under torch.no_grad()")
+        if self._key_buf is None:  # no prefill (one-token prompts)
+            self.lazy_initialization(keys, values)
+            self._grow(kv_len, keys[None].expand(batch, -1, -1, -1), values[None].expand(batch, -1, -1, -1))
+        elif not self._fits(keys, values, kv_len):
+            self.length = self._key_buf.shape[-2]  # every column may hold some row's keys: copy them all
+            self._grow(kv_len, keys[None], values[None])
+        # (an index put does not cast as a slice assignment does; the buffer's dtype holds the new one)
+        self._key_buf[rows, :, cols] = keys.transpose(0, 1).to(self._key_buf.dtype)
+        self._value_buf[rows, :, cols] = values.transpose(0, 1).to(self._value_buf.dtype)
+        self.length = kv_len
         self._expose()
         return self.keys, self.values
 

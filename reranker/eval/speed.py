@@ -4,9 +4,8 @@ What it measures (``measure_speed``), all greedy (temperature 0), same threads, 
 
 * **Main table**, per batch size b and per tau: decode tokens/s, forward passes per generated
   token, mean tokens committed per block step (diffusion), and the speed-up diffusion / AR.
-  ``padding_share`` (diffusion): the share of the column-rows the model ran that were padding,
-  the clean-write columns of rows with no finished block when other rows of an independent-rows
-  step write one (a batch's inputs are rectangular; lockstep and batch 1 run none).
+  ``columns_per_token`` (diffusion): the column-rows the model ran (noisy windows and clean
+  writes, over every row and step) per generated token; the work a token costs in positions run.
   A *run* decodes every prompt once, in chunks of b (the last chunk may be smaller); its tokens/s
   is (generated tokens) / (wall seconds of the decoder calls). Generated tokens are counted the
   same way for both decoders: each row's tokens up to and including EOS (what ``ARResult.tokens``
@@ -188,7 +187,7 @@ def _run(kind, model, prompts, batch_size, max_new_tokens, eos, pad, tau=None, b
     kind: "ar", "hf_generate", "ar_lookup" or "diffusion"; compute_dtype: the matmul precision
     (forward.compute_precision; entering it, and the weight casts it makes, are timed)."""
     seconds, n_forward, rows_per_tok, tokens, row_steps = 0.0, 0, 0.0, [], 0
-    column_rows = padding = 0
+    column_rows = 0
     prefill_seconds, drafted, accepted = 0.0, 0, 0
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i:i + batch_size]
@@ -227,7 +226,7 @@ def _run(kind, model, prompts, batch_size, max_new_tokens, eos, pad, tau=None, b
         tokens += [list(map(int, t)) for t in res.tokens]
         if kind == "diffusion":
             row_steps += sum(sum(s) for s in res.steps_per_block)
-            column_rows, padding = column_rows + res.column_rows, padding + res.padding_column_rows
+            column_rows += res.column_rows
     gen = sum(len(t) for t in tokens)
     # the AR decoders' prefill yields each row's first token; the diffusion prefill yields none
     decode_tokens = sum(max(len(t) - (kind != "diffusion"), 0) for t in tokens)
@@ -239,8 +238,7 @@ def _run(kind, model, prompts, batch_size, max_new_tokens, eos, pad, tau=None, b
            "forward_passes_per_token": n_forward / max(rows_per_tok, 1e-12),
            "forward_passes_per_token_batched": n_forward / max(gen, 1),
            "tokens_per_step": gen / row_steps if row_steps else None, "tokens": tokens,
-           # diffusion: the share of the column-rows run that were padding (DiffusionResult)
-           "padding_share": padding / column_rows if column_rows else None}
+           "columns_per_token": column_rows / gen if column_rows else None}  # diffusion (DiffusionResult)
     if kind == "ar_lookup":
         out.update(drafted_tokens=drafted, accepted_tokens=accepted)
     return out
@@ -299,7 +297,7 @@ def _interleaved(ar_model, diff_model, prompts, batch_size, taus, max_new_tokens
                "deterministic": all(x["tokens"] == first["tokens"] for x in rs)}
         if kind == "diffusion":
             out["tokens_per_step"] = first["tokens_per_step"]
-            out["padding_share"] = first["padding_share"]
+            out["columns_per_token"] = first["columns_per_token"]
         if kind == "ar_lookup":
             out.update(drafted_tokens=first["drafted_tokens"], accepted_tokens=first["accepted_tokens"],
                        draft_acceptance=first["accepted_tokens"] / max(first["drafted_tokens"], 1))

@@ -10,7 +10,6 @@ import reranker.diffusion.diffusion_decoder as diffusion_decoder
 import reranker.diffusion.lookup_decoder as lookup_decoder
 from reranker.diffusion import ar_decode, diffusion_decode
 from reranker.diffusion.forward import compute_precision, new_cache
-from reranker.diffusion.independent_decoder import diffusion_decode_independent
 from reranker.diffusion.kv_cache import MIN_CAPACITY, InPlaceLayer
 from reranker.diffusion.lookup_decoder import ar_lookup_decode
 from tiny_decoder import MASK, PAD, frequent_token, model_for, prompts_for
@@ -61,6 +60,34 @@ def test_refuses_keys_that_require_grad_positive_crops_and_mismatched_shapes():
         layer.update(wider, wider)
 
 
+def test_packed_row_writes_land_in_their_rows_and_columns():
+    """write_rows puts packed column i at (rows[i], cols[i]) of every layer buffer, leaves the rest,
+    grows past the capacity (keeping what every row held) and promotes the dtype as update does."""
+    g = torch.Generator().manual_seed(1)
+    layer = InPlaceLayer()
+    k0 = torch.randn(3, 2, 5, 4, generator=g)
+    layer.update(k0, -k0)  # a prefill: 5 columns in each of 3 rows
+    want = torch.zeros(3, 2, 200, 4)
+    want[:, :, :5] = k0
+    lens = torch.tensor([5, 5, 5])
+    for step, width in enumerate([(4, 0, 8), (4, 4, 4), (60, 30, 90)]):  # the last one grows the buffer
+        rows = torch.cat([torch.full((w,), r) for r, w in enumerate(width)])
+        cols = torch.cat([lens[r] + torch.arange(w) for r, w in enumerate(width)])
+        dtype = torch.bfloat16 if step == 1 else torch.float32
+        new = torch.randn(2, len(rows), 4, generator=g).to(dtype)
+        kv_len = int((lens + torch.tensor(width)).max())
+        keys, values = layer.write_rows(rows, cols, new, -new, kv_len, 3)
+        want[rows, :, cols] = new.float().transpose(0, 1)
+        assert keys.shape == (3, 2, kv_len, 4) and keys.dtype == torch.float32  # bfloat16 keys join a float32 cache
+        for r in range(3):
+            n = int(lens[r]) + width[r]
+            assert torch.equal(keys[r, :, :n], want[r, :, :n]) and torch.equal(values[r, :, :n], -want[r, :, :n])
+        lens = lens + torch.tensor(width)
+    assert layer._key_buf.shape[-2] > MIN_CAPACITY
+    with pytest.raises(RuntimeError, match="no_grad"):
+        layer.write_rows(rows, cols, new.float().requires_grad_(), new.float(), kv_len, 3)
+
+
 def test_the_decoders_cache_is_the_in_place_one_with_a_layer_per_model_layer():
     model = model_for("sdpa")
     cache = new_cache(model)
@@ -82,9 +109,9 @@ DECODES = {
                                                                  reuse_settled=True),
     "diffusion_lookup_drafts": lambda m, p, eos: diffusion_decode(m, p, 20, 4, MASK, eos, PAD, tau=0.5,
                                                                   commit_rule="prefix", lookup_drafts=True),
-    "diffusion_independent": lambda m, p, eos: diffusion_decode_independent(m, p, 20, 4, MASK, eos, PAD,
-                                                                            tau=0.5, commit_rule="prefix"),
 }
+# The independent-rows decoder packs its steps into the in-place cache's rows (write_rows), which
+# transformers' caches do not offer; test_decoding checks it against the lockstep decoder instead.
 
 
 def chosen_logprobs(result):
