@@ -57,7 +57,10 @@ class InPlaceLayer(CacheLayerMixin):
             _, heads, _, dim = new.shape
             b = new.shape[0] if old is None else old.shape[0]  # packed rows pass (1, heads, N, dim)
             dtype = new.dtype if old is None else torch.promote_types(old.dtype, new.dtype)
-            buf = new.new_empty((b, heads, capacity, dim), dtype=dtype)
+            # zeros, not empty: packed rows (write_rows) leave columns unwritten below another row's
+            # length, and attention multiplies a masked column's value by a zero weight; a NaN that
+            # uninitialised memory holds would still poison the row (it did, in bfloat16, at batch 8)
+            buf = new.new_zeros((b, heads, capacity, dim), dtype=dtype)
             if old is not None and self.length:
                 buf[:, :, :self.length] = old[:, :, :self.length]
             bufs.append(buf)

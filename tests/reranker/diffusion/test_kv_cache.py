@@ -84,6 +84,10 @@ def test_packed_row_writes_land_in_their_rows_and_columns():
             assert torch.equal(keys[r, :, :n], want[r, :, :n]) and torch.equal(values[r, :, :n], -want[r, :, :n])
         lens = lens + torch.tensor(width)
     assert layer._key_buf.shape[-2] > MIN_CAPACITY
+    # columns no row wrote are zeros, not uninitialised memory: attention multiplies masked values by 0
+    # weights, and a NaN there would poison every query of the row
+    for r in range(3):
+        assert not layer._key_buf[r, :, int(lens[r]):].any() and not layer._value_buf[r, :, int(lens[r]):].any()
     with pytest.raises(RuntimeError, match="no_grad"):
         layer.write_rows(rows, cols, new.float().requires_grad_(), new.float(), kv_len, 3)
 
