@@ -73,7 +73,7 @@ def forward(model, input_ids, position_ids, mask, cache=None, logits_to_keep=0, 
     the model dtype here (sdpa wants the mask in the query dtype).
     packed_rows: a packed_rows.PackedRows plan (input_ids (1, N) hold several rows' columns, which
     its attention writes into plan.cache itself; `cache` is then None and the mask is the plan's
-    (b, 1, width, kv_len)). Only inside packed_rows_attention(model).
+    (b + writers, 1, block, kv_len)). Only inside packed_rows_attention(model).
     """
     dtype = model.dtype
     if mask.dtype == torch.bool:

@@ -6,10 +6,10 @@ as many padding columns through every layer (18% of a Beauty decode's column-row
 the step's columns are packed into one sequence (1, N), so the embeddings, projections, MLPs and
 vocabulary head (nearly all of a small model's work) run exactly the real columns; only attention
 is per row. The attention function below scatters each layer's new keys and values into the rows'
-KV buffers (kv_cache.InPlaceLayer.write_rows) at per-row columns, gathers the queries into a padded
-(b, heads, width, dim) block and runs one scaled-dot-product attention over the rows' buffers under
-an additive mask; the padded query slots are dropped again. Rows therefore keep cache lengths of
-their own, which the decoder tracks (independent_decoder.py).
+KV buffers (kv_cache.InPlaceLayer.write_rows) at per-row columns, then runs one scaled-dot-product
+attention for every row's noisy window and one for the writing rows' clean windows over the rows'
+buffers, under an additive mask; no query is padding. Rows therefore keep cache lengths of their
+own, which the decoder tracks (independent_decoder.py).
 
 The function is registered with transformers' AttentionInterface under PACKED_ROWS_ATTENTION (a new
 name: no existing implementation changes) and is only picked inside `packed_rows_attention(model)`,
