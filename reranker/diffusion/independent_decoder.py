@@ -113,7 +113,7 @@ def _decode_independent(model, prompts, max_new_tokens, block_size, mask_token_i
     canvas = torch.full((b, B), mask_token_id, dtype=torch.long, device=dev)
     step_of = torch.full_like(canvas, -1)
     lp_blk = torch.zeros(b, B, device=dev)
-    pending, n_steps, column_rows = None, 0, 0
+    pending, n_steps = None, 0
     while len(rows):
         limit = (max_new_tokens - k * B).clamp(max=B)
         stop = torch.minimum(_first_eos(canvas, step_of, eos_token_id), limit)
@@ -122,7 +122,6 @@ def _decode_independent(model, prompts, max_new_tokens, block_size, mask_token_i
         win_pos = pre + k[:, None] * B + arange_b[None] - pad_left[:, None]
         window = torch.cat([last[:, None], canvas[:, :-1]], 1)
         logits = packed_block_step(model, cache, lens, pad_left, window, win_pos, pending, keep=arange_b[lo:hi])
-        column_rows += window.numel() + (0 if pending is None else B * int(pending[2].sum()))
         pending = None
         n_forward, n_steps = n_forward + 1, n_steps + 1
         commit, tok, lp = choose_commits(logits, eligible[:, lo:hi], s == cap - 1,  # a row's last allowed step
@@ -168,5 +167,7 @@ def _decode_independent(model, prompts, max_new_tokens, block_size, mask_token_i
     res = collect_result(traj_tok, traj_step, traj_lp, length, B, n_forward, n_steps, steps_per_block,
                          prefill_seconds)
     res.n_columns = n_steps * B
-    res.column_rows = column_rows  # packed steps run no padding columns
+    # B columns a row and step, and B more per block written (every block but a row's last): packed
+    # steps run no padding, so the count is derived here rather than summed on the decode path
+    res.column_rows = B * sum(sum(spb) + len(spb) - 1 for spb in steps_per_block)
     return res

@@ -54,8 +54,7 @@ class InPlaceLayer(CacheLayerMixin):
         capacity = max(2 * needed, MIN_CAPACITY, 0 if self._key_buf is None else self._key_buf.shape[-2])
         bufs = []
         for new, old in ((key_states, self._key_buf), (value_states, self._value_buf)):
-            _, heads, _, dim = new.shape
-            b = new.shape[0] if old is None else old.shape[0]  # packed rows pass (1, heads, N, dim)
+            b, heads, _, dim = new.shape
             dtype = new.dtype if old is None else torch.promote_types(old.dtype, new.dtype)
             # zeros, not empty: packed rows (write_rows) leave columns unwritten below another row's
             # length, and attention multiplies a masked column's value by a zero weight; a NaN that
@@ -93,12 +92,11 @@ class InPlaceLayer(CacheLayerMixin):
         columns of every row. The layer's `length` becomes kv_len: what a later growth must copy."""
         if keys.requires_grad or values.requires_grad:
             raise RuntimeError("the in-place KV cache is for decoding under torch.no_grad()")
-        if self._key_buf is None:  # no prefill (one-token prompts)
+        if not self.is_initialized:  # no prefill (one-token prompts)
             self.lazy_initialization(keys, values)
+        if not self._fits(keys, values, kv_len):
+            self.length = 0 if self._key_buf is None else self._key_buf.shape[-2]  # every column may hold keys
             self._grow(kv_len, keys[None].expand(batch, -1, -1, -1), values[None].expand(batch, -1, -1, -1))
-        elif not self._fits(keys, values, kv_len):
-            self.length = self._key_buf.shape[-2]  # every column may hold some row's keys: copy them all
-            self._grow(kv_len, keys[None], values[None])
         # (an index put does not cast as a slice assignment does; the buffer's dtype holds the new one)
         self._key_buf[rows, :, cols] = keys.transpose(0, 1).to(self._key_buf.dtype)
         self._value_buf[rows, :, cols] = values.transpose(0, 1).to(self._value_buf.dtype)
