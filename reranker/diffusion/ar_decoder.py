@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .forward import clock, forward, new_cache, pick_tokens, select_rows
-from .masks import block_causal_mask, left_pad, position_ids_for, to_additive
+from .forward import clock, forward, new_cache, pick_tokens, prompt_prefill, select_rows
+from .masks import left_pad, to_additive
 
 
 @dataclass
@@ -32,12 +32,9 @@ def ar_decode(model, prompts, max_new_tokens, eos_token_id, pad_token_id=0, temp
     ids, plen = ids.to(dev), plen.to(dev)
     b, P = ids.shape
     cache = new_cache(model)
-    blk = torch.arange(P, device=dev)  # causal = one-token blocks
-    grp = torch.zeros(P, dtype=torch.long, device=dev)
     valid = torch.arange(P, device=dev)[None] >= (P - plen)[:, None]
     t0 = clock(dev)
-    mask = block_causal_mask(blk, grp, blk, grp, valid)
-    logits = forward(model, ids, position_ids_for(plen, P, P), mask, cache, logits_to_keep=1)[:, -1]
+    logits = prompt_prefill(model, ids, plen, P, cache)[:, -1]
     prefill_seconds = clock(dev) - t0
     n_forward = 1
     rows = list(range(b))  # original index of each active row

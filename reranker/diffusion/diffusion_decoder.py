@@ -22,9 +22,10 @@ import torch
 
 from reranker.decoding import DEFAULT_COMMIT_RULE, DEFAULT_TAU
 
-from .forward import check_commit_rule, clock, commit_confident, crop, forward, new_cache, pick_tokens, select_rows
+from .forward import (check_commit_rule, clock, commit_confident, crop, forward, new_cache, pick_tokens,
+                      prompt_prefill, select_rows)
 from .lookup_decoder import DEFAULT_K_MAX, DEFAULT_K_START, NgramIndex
-from .masks import block_causal_mask, clean_block_ids, left_pad, position_ids_for
+from .masks import block_causal_mask, clean_block_ids, left_pad
 
 
 @dataclass
@@ -73,9 +74,7 @@ def prefill(model, ids, plen):
     valid = torch.arange(pre, device=ids.device)[None] >= (P - plen)[:, None]
     if pre == 0:
         return cache, blk, valid, 0
-    grp = torch.zeros_like(blk)
-    forward(model, ids[:, :pre], position_ids_for(plen, P, pre), block_causal_mask(blk, grp, blk, grp, valid),
-            cache, logits_to_keep=1)
+    prompt_prefill(model, ids, plen, pre, cache)
     return cache, blk, valid, 1
 
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from .ar_decoder import ARResult
-from .forward import clock, crop, forward, new_cache, pick_tokens, select_rows
-from .masks import block_causal_mask, left_pad, position_ids_for
+from .forward import clock, crop, forward, new_cache, pick_tokens, prompt_prefill, select_rows
+from .masks import block_causal_mask, left_pad
 
 DEFAULT_MAX_NGRAM = 3
 DEFAULT_K_START = 4
@@ -85,12 +85,9 @@ def ar_lookup_decode(model, prompts, max_new_tokens, eos_token_id, pad_token_id=
     ids, plen = ids.to(dev), plen.to(dev)
     b, P = ids.shape
     cache = new_cache(model)
-    blk = torch.arange(P, device=dev)
-    grp = torch.zeros(P, dtype=torch.long, device=dev)
     valid = torch.arange(P, device=dev)[None] >= (P - plen)[:, None]
     t0 = clock(dev)
-    logits = forward(model, ids, position_ids_for(plen, P, P), block_causal_mask(blk, grp, blk, grp, valid), cache,
-                     logits_to_keep=1)[:, -1]
+    logits = prompt_prefill(model, ids, plen, P, cache)[:, -1]
     prefill_seconds = clock(dev) - t0
     n_forward, drafted, accepted = 1, 0, 0
     tok, lp, _ = pick_tokens(logits)

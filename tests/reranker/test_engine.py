@@ -74,7 +74,7 @@ def test_ar_lookup_decoder_writes_the_ar_decoders_answer(parts):
 
 
 def test_greedy_diffusion_batches_move_rows_independently_with_the_lockstep_answers(parts, monkeypatch):
-    """A greedy batch of more than one row decodes with the independent schedule; its answers are the
+    """A greedy batch (one row or more) decodes with the independent schedule; its answers are the
     lockstep decoder's (what each row gets alone), and an approximation option keeps lockstep."""
     import reranker.engine as engine_module
     from reranker.diffusion.diffusion_decoder import diffusion_decode
@@ -94,8 +94,9 @@ def test_greedy_diffusion_batches_move_rows_independently_with_the_lockstep_answ
     assert calls == [3] and tokens == lock.tokens
     assert len(eng.rerank(reqs, opts)) == 3 and calls == [3, 3]  # what serving and eval call
     eng.rerank(reqs, DecodeOptions(decoder="diffusion", max_new_tokens=16, tau=0.3, reuse_settled=True))
-    eng.decode(prompts[:1], opts)
-    assert calls == [3, 3]  # the approximation and the single row went through the lockstep decoder
+    assert calls == [3, 3]  # the approximation went through the lockstep decoder
+    tokens, _, _ = eng.decode(prompts[:1], opts)
+    assert calls == [3, 3, 1] and tokens == lock.tokens[:1]  # a single row is packed too
 
 
 @pytest.mark.parametrize("decoder", ["ar", "diffusion"])
