@@ -1,9 +1,11 @@
 """The diffusion heart: one sequence layout and mask rule (masks), the masked-diffusion loss of CFT
 (loss), AR -> block-diffusion conversion (convert), and the decoders that share the rule: AR, the
 B = 1 case and the teacher (ar_decoder), greedy AR with exact prompt-lookup drafts
-(lookup_decoder), block diffusion, the student (diffusion_decoder), all over one forward helper and
-KV cache (forward; the cache, which appends in place, is kv_cache), with trajectory replay for OPD / RL (replay). The decode settings, commit rules
-included, are reranker.decoding's.
+(lookup_decoder), block diffusion, the student (diffusion_decoder; rows in lockstep), and its
+greedy batches with rows moving through their blocks independently (independent_decoder, whose
+steps are packed: packed_rows). All run over one forward helper (forward), one prompt prefill
+(prompt_prefill) and a KV cache that appends in place (kv_cache), with trajectory replay for OPD / RL
+(replay). The decode settings, commit rules included, are reranker.decoding's.
 
 Imports are lazy; `from reranker.diffusion import
 diffusion_decode` imports its module on first use. `reranker.diffusion.forward` is the forward-helper

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .forward import clock, forward, new_cache, pick_tokens, prompt_prefill, select_rows
+from .forward import clock, forward, new_cache, pick_tokens, select_rows
 from .masks import left_pad, to_additive
+from .prompt_prefill import prompt_prefill
 
 
 @dataclass
@@ -34,7 +35,7 @@ def ar_decode(model, prompts, max_new_tokens, eos_token_id, pad_token_id=0, temp
     cache = new_cache(model)
     valid = torch.arange(P, device=dev)[None] >= (P - plen)[:, None]
     t0 = clock(dev)
-    logits = prompt_prefill(model, ids, plen, P, cache)[:, -1]
+    logits = prompt_prefill(model, ids, plen, P, cache)
     prefill_seconds = clock(dev) - t0
     n_forward = 1
     rows = list(range(b))  # original index of each active row

@@ -23,9 +23,10 @@ import torch
 from reranker.decoding import DEFAULT_COMMIT_RULE, DEFAULT_TAU
 
 from .forward import (check_commit_rule, clock, commit_confident, crop, forward, new_cache, pick_tokens,
-                      prompt_prefill, select_rows)
+                      select_rows)
 from .lookup_decoder import DEFAULT_K_MAX, DEFAULT_K_START, NgramIndex
 from .masks import block_causal_mask, clean_block_ids, left_pad
+from .prompt_prefill import prompt_prefill
 
 
 @dataclass

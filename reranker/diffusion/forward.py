@@ -14,7 +14,6 @@ import torch
 from reranker.decoding import (DEFAULT_COMMIT_RULE, DEFAULT_COMPUTE_DTYPE,  # the decode settings' one owner
                                check_commit_rule, check_compute_dtype)
 from .kv_cache import in_place_cache
-from .masks import block_causal_mask, position_ids_for
 
 
 def clock(device) -> float:
@@ -75,10 +74,11 @@ def forward(model, input_ids, position_ids, mask, cache=None, logits_to_keep=0, 
     whole input, with no padding (the model builds it, or the attention kernel runs it as is_causal).
     packed_rows: a packed_rows.PackedRows plan (input_ids (1, N) hold several rows' columns, which
     its attention writes into plan.cache itself; `cache` is then None and the mask is the plan's
-    (b + writers, 1, block, kv_len)). Only inside packed_rows_attention(model).
+    (b + writers, 1, block, kv_len)), or a PromptRow (one row's prompt, mask None). Only inside
+    packed_rows_attention(model).
     """
     dtype = model.dtype
-    if mask is None:  # plain causal attention (prompt_prefill without padding): the model's own path
+    if mask is None:  # causal attention, no padding (prompt_prefill.py): nothing to cast
         pass
     elif mask.dtype == torch.bool:
         mask = torch.where(mask, torch.zeros((), dtype=dtype), torch.finfo(dtype).min)
@@ -91,23 +91,6 @@ def forward(model, input_ids, position_ids, mask, cache=None, logits_to_keep=0, 
                 attention_mask=None if mask is None else mask.to(input_ids.device),
                 use_cache=cache is not None, logits_to_keep=logits_to_keep, **kwargs)
     return out.logits.float()
-
-
-def prompt_prefill(model, ids, plen, n_cols, cache, logits_to_keep=1):
-    """Run the first n_cols columns of left-padded prompts (ids (b, P), lengths plen) into `cache`,
-    causally, pad keys masked; returns forward's logits. Every decoder's prefill (AR, lookup,
-    diffusion) is this call. A batch without padding (batch 1) passes no mask, so the attention
-    kernel runs its own causal path: the same logits and keys on the Beauty prompts, a prefill 7%
-    faster, as it skips the keys after each query instead of reading a mask that blocks them."""
-    b, P = ids.shape
-    pos = position_ids_for(plen, P, n_cols)
-    mask = None
-    if not bool((plen == P).all()):
-        one_token_blocks = torch.arange(n_cols, device=ids.device)  # causal = blocks of one token
-        group = torch.zeros_like(one_token_blocks)
-        valid = one_token_blocks[None] >= (P - plen)[:, None]
-        mask = block_causal_mask(one_token_blocks, group, one_token_blocks, group, valid)
-    return forward(model, ids[:, :n_cols], pos, mask, cache, logits_to_keep=logits_to_keep)
 
 
 def pick_tokens(logits, temperature=0.0, top_p=1.0, generator=None):

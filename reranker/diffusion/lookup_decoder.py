@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from .ar_decoder import ARResult
-from .forward import clock, crop, forward, new_cache, pick_tokens, prompt_prefill, select_rows
+from .forward import clock, crop, forward, new_cache, pick_tokens, select_rows
 from .masks import block_causal_mask, left_pad
+from .prompt_prefill import prompt_prefill
 
 DEFAULT_MAX_NGRAM = 3
 DEFAULT_K_START = 4
@@ -87,7 +88,7 @@ def ar_lookup_decode(model, prompts, max_new_tokens, eos_token_id, pad_token_id=
     cache = new_cache(model)
     valid = torch.arange(P, device=dev)[None] >= (P - plen)[:, None]
     t0 = clock(dev)
-    logits = prompt_prefill(model, ids, plen, P, cache)[:, -1]
+    logits = prompt_prefill(model, ids, plen, P, cache)
     prefill_seconds = clock(dev) - t0
     n_forward, drafted, accepted = 1, 0, 0
     tok, lp, _ = pick_tokens(logits)
