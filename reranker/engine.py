@@ -31,6 +31,7 @@ from reranker.diffusion.diffusion_decoder import diffusion_decode
 from reranker.diffusion.forward import compute_precision
 from reranker.diffusion.independent_decoder import diffusion_decode_independent
 from reranker.diffusion.lookup_decoder import ar_lookup_decode
+from reranker.diffusion.packed_rows import takes_packed_rows
 from reranker.text.answer import parse_ranking, permutation_or_fallback
 from reranker.text.prompt import DEFAULT_MAX_PROMPT_TOKENS, render_prompt_messages, render_prompt_within_budget
 from reranker.text.sid import SemanticIds
@@ -250,11 +251,13 @@ class RerankEngine:
                 self.pad_id)
         common = dict(tau=options.tau, max_steps_per_block=options.max_steps_per_block,
                       commit_rule=options.commit_rule, hold_eos=options.hold_eos)
-        if options.temperature == 0 and not (options.window or options.reuse_settled or options.lookup_drafts):
+        if (options.temperature == 0 and not (options.window or options.reuse_settled or options.lookup_drafts)
+                and takes_packed_rows(self.model)):
             # Rows move through their blocks independently: greedy, each row gets the tokens the
             # lockstep decoder gives it (and it alone), without waiting for the batch's slowest row in
             # every block, and its steps are packed (no padding columns; docs/EXPERIMENTS.md). A
             # single row too: the packed step is what `dgr2 speed` times (4% faster a step at batch 1).
+            # (An attention implementation packed rows do not take keeps the lockstep decoder.)
             res = diffusion_decode_independent(*args, **common)
         else:
             res = diffusion_decode(*args, **common, temperature=options.temperature, generator=gen,

@@ -2,7 +2,8 @@
 
 Keeping a single code path for "run these columns against this cache under this mask" is what
 makes B = 1 block diffusion reproduce AR decoding token for token, and replay reproduce decoding
-(log-probs within float32 round-off).
+(log-probs within float32 round-off). (A batch with a one-token prompt prefills with a mask for
+diffusion and row by row for AR, prompt_prefill.py: the same values up to round-off.)
 """
 import contextlib
 import functools
@@ -71,7 +72,7 @@ def forward(model, input_ids, position_ids, mask, cache=None, logits_to_keep=0, 
 
     mask: additive float (b, 1, q, cached + q) or boolean 'allowed' of that shape; it is cast to
     the model dtype here (sdpa wants the mask in the query dtype). None: causal attention over the
-    whole input, with no padding (the model builds it, or the attention kernel runs it as is_causal).
+    input alone, no padding, an empty cache (prompt_prefill.py; the kernel runs it as is_causal).
     packed_rows: a packed_rows.PackedRows plan (input_ids (1, N) hold several rows' columns, which
     its attention writes into plan.cache itself; `cache` is then None and the mask is the plan's
     (b + writers, 1, block, kv_len)), or a PromptRow (one row's prompt, mask None). Only inside

@@ -9,15 +9,15 @@ is per row. The attention function below scatters each layer's new keys and valu
 KV buffers (kv_cache.InPlaceLayer.write_rows) at per-row columns, then runs one scaled-dot-product
 attention for every row's noisy window and one for the writing rows' clean windows over the rows'
 buffers, under an additive mask; no query is padding. Rows therefore keep cache lengths of their
-own, which the decoder tracks (independent_decoder.py). A padded batch's prefill takes this route
-one row at a time (row_by_row_prefill): each prompt's own tokens, causal, its keys written into its
-row.
+own, which the decoder tracks (independent_decoder.py). A padded batch's prompt prefill takes this
+route one row at a time (a PromptRow plan; prompt_prefill.py): each prompt's own tokens, causal, its
+keys written into its row.
 
 The function is registered with transformers' AttentionInterface under PACKED_ROWS_ATTENTION (a new
 name: no existing implementation changes) and is only picked inside `packed_rows_attention(model)`,
 which switches that model's attention implementation for the decode and back after it. A forward
-given no `packed_rows` plan runs Hugging Face's sdpa attention unchanged, so the prefill inside that
-scope is the usual one.
+given no `packed_rows` plan runs Hugging Face's sdpa attention unchanged (with the mask it is given;
+with none, causal: Hugging Face builds no mask for an implementation it does not know).
 """
 import contextlib
 import threading
@@ -28,11 +28,10 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .forward import forward
-
 PACKED_ROWS_ATTENTION = "dgr2_packed_rows"
-PACKABLE = ("sdpa", "eager")  # the implementations a packed scope may switch from: they compute the same
-# attention; flash and flex are untested
+# The implementations a packed scope may switch from: they compute the same attention (flash and flex
+# are untested), and a forward given no plan inside the scope runs sdpa.
+PACKABLE = ("sdpa", "eager")
 
 
 @dataclass
@@ -54,7 +53,7 @@ class PackedRows:
 
 @dataclass
 class PromptRow:
-    """One row's prompt prefilled alone into a batch's cache (row_by_row_prefill): its n columns go
+    """One row's prompt prefilled alone into a batch's cache (prompt_prefill.py): its n columns go
     to batch row `row`, cache columns kv_len - n .. kv_len (the left-padded layout), and attend
     causally to each other."""
     cache: object
@@ -100,24 +99,9 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
 AttentionInterface.register(PACKED_ROWS_ATTENTION, _attention)
 
 
-def row_by_row_prefill(model, ids, plen, n_cols, cache):
-    """The first n_cols columns of left-padded prompts (ids (b, P), lengths plen) into `cache`, one
-    forward per row over that row's prompt tokens only: no padding columns and no mask (each row's
-    attention runs the kernel's causal path). Beauty batches of 8 prefill 9% faster than through one
-    padded, masked forward (interleaved, 64 prompts), and packing the 8 prompts into one forward of
-    ~4,000 columns was slower on this CPU (its activations outgrow the caches: in a profile of the
-    same batches its elementwise ops took twice as long as row by row). The cache gets the
-    left-padded layout, pad columns zero (every decoder masks them). Every row needs a column
-    (prompt_prefill.py checks). Returns each row's last column's logits, (b, V)."""
-    b, P = ids.shape
-    logits = []
-    with packed_rows_attention(model):
-        for r, pad in enumerate((P - plen).tolist()):
-            n = n_cols - pad
-            pos = torch.arange(n, device=ids.device)[None]
-            logits.append(forward(model, ids[r:r + 1, pad:n_cols], pos, None, logits_to_keep=1,
-                                  packed_rows=PromptRow(cache, b, r, n, n_cols))[:, -1])
-    return torch.cat(logits)
+def takes_packed_rows(model) -> bool:
+    """Whether packed_rows_attention(model) can be entered (or is entered already, on another thread)."""
+    return model.config._attn_implementation in PACKABLE + (PACKED_ROWS_ATTENTION,)
 
 
 # Models inside packed_rows_attention, by id(config): [decodes inside, the implementation to set back]. The
@@ -138,8 +122,8 @@ def packed_rows_attention(model):
         if entry is None:
             previous = config._attn_implementation
             if previous not in PACKABLE:
-                raise ValueError(f"packed rows need the sdpa or eager attention implementation, the model has "
-                                 f"{previous!r}")
+                raise ValueError(f"packed rows need one of the attention implementations {PACKABLE}, the model "
+                                 f"has {previous!r}")
             entry = _INSIDE[id(config)] = [0, previous]
             config._attn_implementation = PACKED_ROWS_ATTENTION
         entry[0] += 1

@@ -13,7 +13,7 @@ What it measures (``measure_speed``), all greedy (temperature 0), same threads, 
   Beside it, the **decode phase** alone (``decode_tokens_per_second``, ``decode_speedup``): the
   same runs with the prompt prefill's wall time (the decoders time it) taken out, and the tokens
   the prefill itself yields (AR: its first token per row; diffusion: none) not counted. The prefill
-  is the same forward for both decoders, so it dilutes the end-to-end ratio towards 1 by the share
+  is the same call for both decoders (prompt_prefill.py), so it dilutes the end-to-end ratio towards 1 by the share
   of time it takes; the decode-phase ratio is the one the decoders themselves differ in, the
   end-to-end one is what a caller waits for. Both are reported.
   Each *repeat* runs AR, every exact decoder and every tau once, back to back (order reversed on
@@ -49,7 +49,8 @@ tokens / rows), i.e. per token of an average row (a batched forward counts once 
 batch; the batch waits for its longest row, so uneven lengths push it above the per-row value).
 AR's prefill forward yields its first token, so AR with EOS disabled gives exactly L / L = 1;
 the diffusion decoder's prefill covers the prompt but the last column and yields no token, so its
-value includes one extra pass per chunk (B = 1, tau = 1: (L + 1) / L).
+value includes one extra pass per chunk (B = 1, tau = 1: (L + 1) / L). The prefill counts as one
+pass though a padded batch runs it row by row (prompt_prefill.py), as a batched forward would.
 ``forward_passes_per_token_batched`` = forward passes / all generated tokens (``evaluate``'s
 definition; ~1 / b for AR at batch b).
 

@@ -193,15 +193,21 @@ def test_prefix_rule_commits_left_to_right():
         DecodeOptions(decoder="diffusion", commit_rule="nope").validate()
 
 
-@pytest.mark.parametrize("rule,hold,tau,cap", [("confidence", False, 0.3, None), ("prefix", True, 0.3, None),
-                                               ("prefix", False, 0.6, 2), ("confidence", True, 1.1, None)])
-def test_independent_rows_decode_what_lockstep_decodes(rule, hold, tau, cap):
+WITH_ONE_TOKEN_PROMPT, LONGER_PROMPTS = (5, 9, 1, 7, 3, 11), (5, 9, 2, 7, 3, 11)  # (the prefill's two paths)
+
+
+@pytest.mark.parametrize("rule,hold,tau,cap,lens", [("confidence", False, 0.3, None, WITH_ONE_TOKEN_PROMPT),
+                                                    ("prefix", True, 0.3, None, LONGER_PROMPTS),
+                                                    ("prefix", False, 0.6, 2, WITH_ONE_TOKEN_PROMPT),
+                                                    ("confidence", True, 1.1, None, LONGER_PROMPTS)])
+def test_independent_rows_decode_what_lockstep_decodes(rule, hold, tau, cap, lens):
     """Rows that move through their blocks independently get the tokens, trajectories (the record
     OPD and RL replay) and steps per block of the lockstep decoder, which gives each row what it gets
-    alone; with a frequent EOS rows end in different blocks, so rows leave mid-batch."""
+    alone; with a frequent EOS rows end in different blocks, so rows leave mid-batch. A one-token
+    prompt makes the diffusion prefill a masked padded forward; without one it runs row by row."""
     from reranker.diffusion.independent_decoder import diffusion_decode_independent
 
-    model, prompts = model_for("sdpa"), prompts_for(4, lens=(5, 9, 1, 7, 3, 11))
+    model, prompts = model_for("sdpa"), prompts_for(4, lens=lens)
     eos = frequent_token(model, prompts)
     kw = dict(tau=tau, commit_rule=rule, hold_eos=hold, max_steps_per_block=cap)
     lock = diffusion_decode(model, prompts, 19, 4, MASK, eos, **kw)
