@@ -79,12 +79,9 @@ def forward(model, input_ids, position_ids, mask, cache=None, logits_to_keep=0, 
     packed_rows_attention(model).
     """
     dtype = model.dtype
-    if mask is None:  # causal attention, no padding (prompt_prefill.py): nothing to cast
-        pass
-    elif mask.dtype == torch.bool:
-        mask = torch.where(mask, torch.zeros((), dtype=dtype), torch.finfo(dtype).min)
-    elif mask.dtype != dtype:
-        mask = torch.where(mask < 0, torch.finfo(dtype).min, torch.zeros((), dtype=dtype))
+    if mask is not None and mask.dtype != dtype:  # (None: causal, no padding; prompt_prefill.py)
+        allowed = mask if mask.dtype == torch.bool else mask >= 0
+        mask = torch.where(allowed, torch.zeros((), dtype=dtype), torch.finfo(dtype).min)
     kwargs = {_cache_kwarg(type(model)): cache} if cache is not None else {}
     if packed_rows is not None:
         kwargs["packed_rows"] = packed_rows

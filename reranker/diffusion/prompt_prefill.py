@@ -33,17 +33,17 @@ def prompt_prefill(model, ids, plen, n_cols, cache):
     if cache.get_seq_length() != 0:
         raise ValueError(f"prompt_prefill fills an empty cache; this one holds {cache.get_seq_length()} columns")
     P = ids.shape[1]
-    pad = P - plen
-    if (takes_packed_rows(model) and bool((pad < n_cols).all())
+    pads = (P - plen).tolist()  # each row's pad columns (one host read, here rather than per test below)
+    if (takes_packed_rows(model) and max(pads) < n_cols
             and all(isinstance(layer, InPlaceLayer) for layer in cache.layers)):  # (rows are written into those)
         with packed_rows_attention(model):
-            if not bool(pad.any()):
+            if not any(pads):
                 return forward(model, ids[:, :n_cols], position_ids_for(plen, P, n_cols), None, cache,
                                logits_to_keep=1)[:, -1]
-            return torch.cat([_prefill_row(model, ids, r, p, n_cols, cache) for r, p in enumerate(pad.tolist())])
+            return torch.cat([_prefill_row(model, ids, r, p, n_cols, cache) for r, p in enumerate(pads)])
     one_token_blocks = torch.arange(n_cols, device=ids.device)  # causal = blocks of one token
     group = torch.zeros_like(one_token_blocks)
-    valid = one_token_blocks[None] >= pad[:, None]
+    valid = one_token_blocks[None] >= (P - plen)[:, None]
     mask = block_causal_mask(one_token_blocks, group, one_token_blocks, group, valid)
     return forward(model, ids[:, :n_cols], position_ids_for(plen, P, n_cols), mask, cache, logits_to_keep=1)[:, -1]
 
