@@ -381,8 +381,7 @@ def evaluate_rows(rows, data_dir: Path, ecfg: dict, eval_dir: Path, run_missing:
     decoded again (its `eval_key`); run_missing=False: a row without one raises NotDoneError."""
     import numpy as np
 
-    from reranker.engine import RerankEngine
-    from reranker.eval.evaluate import evaluate, load_examples
+    from reranker.eval.evaluate import check_list_orders, engine_for_split, evaluate, load_examples
     from reranker.eval.metrics import compare
 
     test_file = data_dir / f"{ecfg.get('split', 'test')}.jsonl"
@@ -409,7 +408,8 @@ def evaluate_rows(rows, data_dir: Path, ecfg: dict, eval_dir: Path, run_missing:
         else:
             if not run_missing:
                 not_done(f"evaluation of {label!r} ({model_dir})", path)
-            engine = RerankEngine.load(model_dir, data_dir)
+            engine = engine_for_split(model_dir, data_dir, ecfg.get("split", "test"))
+            check_list_orders(engine, examples, str(test_file))
             rep = evaluate(engine, examples, opts, int(ecfg.get("batch_size", 8)), workers=int(ecfg.get("workers", 1)))
             # model_sha256: the row's model by the sha256 of its weights, as a release names it
             rep.update(label=label, model=str(model_dir), eval_key=key, model_sha256=weights)

@@ -36,7 +36,7 @@ MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
                "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt")
 DATA_FILES = ("build_info.json", "sids.json", "test.jsonl")
 BUILD_INFO_KEEP = ("format", "copurchase", "evidence_history_items", "profile", "max_prompt_tokens", "n_candidates",
-                   "seed")
+                   "seed", "candidate_order")
 EVIDENCE_FILES = {"copurchase": "copurchase.npz", "item_fields": "item_fields.json"}
 MAX_MB = 60.0  # what a committed bundle may weigh (the Beauty release's cap)
 
@@ -95,9 +95,33 @@ def _write_evidence(data_dir: Path, bundle: Path) -> dict:
     out = {k: info[k] for k in BUILD_INFO_KEEP if k in info}
     out.update(paths_relative_to="the directory of this file", evidence_files=dict(EVIDENCE_FILES),
                artifacts={"sids": "sids.json"})
+    if info.get("candidate_order", "retriever") != "retriever":
+        _write_preranker(data_dir, info, bundle)
+        out["evidence_files"]["train_sequences"] = PRERANKER_FILES["train_sequences"]
+        out["artifacts"]["preranker"] = PRERANKER_FILES["preranker"]
     if "copurchase" in out:
         out["copurchase"] = {**out["copurchase"], "sequences": "saved as counts in " + EVIDENCE_FILES["copurchase"]}
     return out
+
+
+PRERANKER_FILES = {"preranker": "preranker", "train_sequences": "train_sequences.json.gz"}
+
+
+def _write_preranker(data_dir: Path, info: dict, bundle: Path) -> None:
+    """The pre-ranker's full model (what served requests are ordered by; its cross-fitted models order
+    only the run's valid lists) and the training sequences its features count over."""
+    import gzip
+
+    from candidate_gen.split import train_sequences
+    from reranker.data.preranker import PreRanker
+
+    pre = PreRanker.load(data_dir / (info.get("artifacts") or {}).get("preranker", "preranker"))
+    PreRanker(pre.full, [None] * len(pre.folds), pre.seed).save(bundle / PRERANKER_FILES["preranker"])
+    seqs = train_sequences(json.loads(((data_dir / info["retrieval_dir"]).resolve() / "sequences.json")
+                                      .read_text(encoding="utf-8")))
+    # mtime 0: the same sequences give the same bytes (release.json records every file's sha256)
+    with gzip.GzipFile(bundle / PRERANKER_FILES["train_sequences"], "wb", mtime=0) as f:
+        f.write(json.dumps(seqs, sort_keys=True, separators=(",", ":")).encode("utf-8"))
 
 
 def _metrics(summary: dict, run: Path, models: dict[str, Path]) -> dict:

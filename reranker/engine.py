@@ -2,7 +2,8 @@
 
 One object shared by evaluation (`dgr2 eval`), the gRPC service and the RecBole model class, so all
 three render the same prompt, decode with the same code and apply the same fallback: an answer that
-does not parse to a valid permutation returns the retriever order with `fallback=True`.
+does not parse to a valid permutation returns the order the prompt listed the candidates in (the
+retriever's, or the pre-ranker's where the data was built with one) with `fallback=True`.
 
 It needs a model directory (HF causal LM + tokenizer; a converted model carries its diffusion
 fields in config.json, and a model may record the decode settings it was trained for, which a
@@ -10,6 +11,8 @@ caller that sends none gets: reranker.decoding) and a re-ranking data directory 
 build`): the item <-> SID map, and, through build_info.json, the retrieval artifacts and item file
 from which the collaborative evidence (co-purchase counts on the training split) is rebuilt; or a
 release bundle (`dgr2 release`), whose build_info.json names its own saved evidence files instead.
+Data built with `candidate_order: scorer` also carries its pre-ranker (reranker/data/preranker.py),
+which orders every request's candidates before the prompt lists them, from the same features.
 """
 from __future__ import annotations
 
@@ -42,8 +45,9 @@ from reranker.text.tokenizer import IM_END, load_tokenizer, THINK_CLOSE, THINK_O
 class RerankRequest:
     history: list[str]  # time ordered, oldest first
     candidates: list[str]  # retriever order
-    scores: list[float] | None = None
+    scores: list[float] | None = None  # the retriever's; a pre-ranker needs them
     user: str | None = None  # only used to leave the user's own pairs out of the co-purchase counts
+    history_len: int | None = None  # the user's whole history length, where `history` is cut (a feature)
 
 
 @dataclass
@@ -58,6 +62,7 @@ class RerankResult:
     forward_passes: int  # forward passes of the batched decode this request was part of
     decode_seconds: float
     extra: dict = field(default_factory=dict)
+    list_order: list[int] | None = None  # the order the prompt listed the candidates in (None: as given)
 
 
 def split_reasoning(text: str) -> str:
@@ -93,8 +98,15 @@ def _rerank_batches(engine, batches, options, workers):
 class RerankEngine:
     def __init__(self, model, tokenizer, sids: SemanticIds, item_meta, copurchase: CoPurchaseCounts | None,
                  profile: str = "cpu", max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS,
-                 evidence_history: int | None = None):
+                 evidence_history: int | None = None, preranker=None, features=None, cross_fitted: bool = False):
         self.model = model.eval()
+        # The pre-ranker and the training-split statistics its features read (FeatureContext); without
+        # one the prompt lists the candidates as the request gives them. cross_fitted: order each user's
+        # list by the model fitted without the user's half (the valid split's lists, `dgr2 eval`).
+        if (preranker is None) != (features is None):
+            raise ValueError("a pre-ranker needs its feature context, and one without the other is unused")
+        self.preranker, self.features, self.cross_fitted = preranker, features, bool(cross_fitted)
+        self.candidate_order = "scorer" if preranker is not None else "retriever"
         self.tokenizer = tokenizer
         self.sids = sids
         self.item_meta = item_meta
@@ -124,8 +136,9 @@ class RerankEngine:
         return bundle
 
     @classmethod
-    def load(cls, model_dir, data_dir=None, device: str = "cpu", profile: str | None = None) -> "RerankEngine":
-        """data_dir None: the release bundle model_dir lies in (data_dir_for)."""
+    def load(cls, model_dir, data_dir=None, device: str = "cpu", profile: str | None = None,
+             cross_fitted: bool = False) -> "RerankEngine":
+        """data_dir None: the release bundle model_dir lies in (data_dir_for). cross_fitted: see __init__."""
         from .model import load_model
 
         data_dir = cls.data_dir_for(model_dir, data_dir)
@@ -134,12 +147,41 @@ class RerankEngine:
             raise FileNotFoundError(f"{info_path}: missing; build the re-ranking data with `dgr2 data build`")
         info = json.loads(info_path.read_text())
         copurchase, meta = cls.load_evidence(data_dir, info)
+        preranker, features = cls.load_preranker(data_dir, info, meta)
         model = load_model(model_dir, device=device)  # first: it names a missing or damaged model dir
         tok = load_tokenizer(model_dir)
         return cls(model, tok, SemanticIds.load(data_dir / "sids.json"), meta, copurchase,
                    profile or info.get("profile", "cpu"),
                    int(info.get("max_prompt_tokens") or DEFAULT_MAX_PROMPT_TOKENS),
-                   info.get("evidence_history_items") or None)
+                   info.get("evidence_history_items") or None, preranker, features, cross_fitted)
+
+    @staticmethod
+    def load_preranker(data_dir, info: dict, meta):
+        """(pre-ranker, its FeatureContext) of data built with candidate_order: scorer, else (None, None)."""
+        from reranker.data.features import FeatureContext
+        from reranker.data.preranker import PreRanker
+
+        order = info.get("candidate_order", "retriever")
+        if order == "retriever":
+            return None, None
+        if order != "scorer":
+            raise ValueError(f"{Path(data_dir) / 'build_info.json'}: field 'candidate_order': expected "
+                             f"'retriever' or 'scorer', got {order!r}")
+        data_dir = Path(data_dir)
+        preranker = PreRanker.load(data_dir / (info.get("artifacts") or {}).get("preranker", "preranker"))
+        files = info.get("evidence_files")
+        window = int((info.get("copurchase") or {}).get("window", 1))
+        if files:  # a release bundle: the training sequences it saved
+            if not files.get("train_sequences"):
+                raise ValueError(f"{data_dir / 'build_info.json'}: evidence_files lacks 'train_sequences', "
+                                 "which the pre-ranker's features need")
+            seqs = read_train_sequences(data_dir / files["train_sequences"])
+        else:
+            from candidate_gen.split import train_sequences
+
+            seqs = train_sequences(json.loads(((data_dir / info["retrieval_dir"]).resolve() / "sequences.json")
+                                              .read_text(encoding="utf-8")))
+        return preranker, FeatureContext(seqs, meta, window=window)
 
     @staticmethod
     def load_evidence(data_dir, info: dict):
@@ -188,6 +230,19 @@ class RerankEngine:
     def known(self, item: str) -> bool:
         return item in self.sids
 
+    def list_order(self, req: RerankRequest) -> list[int]:
+        """The candidate indices in the order the prompt lists them: the pre-ranker's, else as given."""
+        n = len(req.candidates)
+        if self.preranker is None:
+            return list(range(n))
+        if req.scores is None or len(req.scores) != n:
+            raise ValueError(f"this model's pre-ranker orders candidates by features of the retriever's scores: "
+                             f"the request needs one score per candidate ({n}), got "
+                             f"{'none' if req.scores is None else len(req.scores)}")
+        x = self.features.list_features(req.user or "", list(req.history), list(req.candidates), list(req.scores),
+                                        req.history_len)
+        return self.preranker.orders(x, [n], [req.user], self.cross_fitted)[0]
+
     def _prompt_inputs(self, req: RerankRequest):
         unknown = [c for c in req.candidates if not self.known(c)]
         if unknown:
@@ -195,14 +250,15 @@ class RerankEngine:
         history = [h for h in req.history if self.known(h)]
         if self.evidence_history:
             history = history[-self.evidence_history:]
+        candidates = [req.candidates[j] for j in self.list_order(req)]
         evidence = None
         if self.copurchase is not None:
-            evidence = candidates_evidence(history, req.candidates, self.item_meta, self.copurchase, req.user)
-        return (history, req.candidates, self.sids, self.item_meta, evidence)
+            evidence = candidates_evidence(history, candidates, self.item_meta, self.copurchase, req.user)
+        return (history, candidates, self.sids, self.item_meta, evidence)
 
     def prompt_messages(self, req: RerankRequest) -> list[dict]:
         return render_prompt_within_budget(self.tokenizer, self.max_prompt_tokens, *self._prompt_inputs(req),
-                                           profile=self.profile)
+                                           profile=self.profile, candidate_order=self.candidate_order)
 
     def _encode(self, messages: list[dict]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -215,16 +271,17 @@ class RerankEngine:
         (prompt_limit), and a prompt that cannot fit is a ValueError naming that limit."""
         budget = self.max_prompt_tokens if max_new_tokens is None else self.prompt_limit(max_new_tokens)
         inputs = self._prompt_inputs(req)
-        ids = self._encode(render_prompt_messages(*inputs, profile=self.profile))
+        kw = dict(profile=self.profile, candidate_order=self.candidate_order)
+        ids = self._encode(render_prompt_messages(*inputs, **kw))
         if len(ids) <= budget:
             return ids
         if budget < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
                              f"context of max_position_embeddings={self.max_positions} tokens")
         try:
-            return self._encode(render_prompt_within_budget(self.tokenizer, budget, *inputs, profile=self.profile))
+            return self._encode(render_prompt_within_budget(self.tokenizer, budget, *inputs, **kw))
         except ValueError:
-            n = len(self._encode(render_prompt_messages(*inputs, 1, profile=self.profile)))
+            n = len(self._encode(render_prompt_messages(*inputs, 1, **kw)))
             raise ValueError(f"the prompt needs {n} tokens with one history item, over the limit of {budget}: "
                              f"min(max_prompt_tokens={self.max_prompt_tokens}, max_position_embeddings="
                              f"{self.max_positions} - max_new_tokens={max_new_tokens})") from None
@@ -283,8 +340,25 @@ class RerankEngine:
             text = self.tokenizer.decode(toks, skip_special_tokens=False)
             text = text.split(IM_END, 1)[0]
             parsed = parse_ranking(text, [self.sids.sid_string(c) for c in req.candidates])
+            order = self.list_order(req) if self.preranker is not None else None
             out.append(RerankResult(
-                permutation=permutation_or_fallback(parsed, len(req.candidates)), valid=parsed.ok,
+                permutation=permutation_or_fallback(parsed, len(req.candidates), order), valid=parsed.ok,
                 fallback=not parsed.ok, failure=parsed.failure, reasoning=split_reasoning(text), text=text,
-                generated_tokens=len(toks), forward_passes=n_forward, decode_seconds=seconds))
+                generated_tokens=len(toks), forward_passes=n_forward, decode_seconds=seconds, list_order=order))
         return out
+
+
+def read_train_sequences(path) -> dict[str, list[str]]:
+    """A release bundle's training sequences (gzipped JSON: user -> items, oldest first), checked."""
+    import gzip
+
+    path = Path(path)
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            seqs = json.load(f)
+    except (OSError, EOFError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not gzipped JSON of training sequences ({err})") from None
+    if not isinstance(seqs, dict) or not all(isinstance(v, list) and all(isinstance(i, str) for i in v)
+                                             for v in seqs.values()):
+        raise ValueError(f"{path}: expected an object of user id -> list of item ids")
+    return seqs

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from candidate_gen.files import atomic_write_text, read_jsonl
 
-from reranker.text.prompt import render_assistant, reorder_candidates
+from reranker.text.prompt import prompt_candidate_sids, render_assistant, reorder_candidates
 from reranker.text.sid import SID_CODEBOOK, SID_RE, SemanticIds, format_sid
 
 SYSTEM = "Copy the candidates."
@@ -190,11 +190,12 @@ def uniform_pick_order(keys, rng: random.Random) -> list[int]:
 
 def reorder_for_uniform_pick(record: dict, style: str, rng: random.Random) -> dict:
     """``record`` (a real list: prompt_messages, candidate_sids) with its candidates reordered by
-    `uniform_pick_order` under the ``style`` scan: lines renumbered, the retriever-order line
-    rewritten, candidate_sids in the new order."""
+    `uniform_pick_order` under the ``style`` scan: lines renumbered, the order line rewritten,
+    candidate_sids in the new order."""
     from .retrace import rule_keys, user_text  # retrace imports the dataset module, which is heavy
 
-    sids, text = [str(s) for s in record["candidate_sids"]], user_text(record)
+    text = user_text(record)
+    sids = prompt_candidate_sids(text)  # as the prompt lists them (its order may be the pre-ranker's)
     order = uniform_pick_order(rule_keys(text, len(sids), style), rng)
     text = reorder_candidates(text, sids, order)
     messages = [dict(m, content=text) if m.get("role") == "user" else dict(m) for m in record["prompt_messages"]]
@@ -207,8 +208,9 @@ def scan_copy_example(record: dict, style: str) -> dict:
     model is trained and served with."""
     from .retrace import rule_scan, user_text  # retrace imports the dataset module, which is heavy
 
-    sids = [str(s) for s in record["candidate_sids"]]
-    trace, ranking = rule_scan(user_text(record), sids, style)
+    text = user_text(record)
+    sids = prompt_candidate_sids(text)  # as the prompt lists them (its order may be the pre-ranker's)
+    trace, ranking = rule_scan(text, sids, style)
     return {"prompt_messages": [dict(m) for m in record["prompt_messages"]],
             "assistant": render_assistant(trace, [sids[j] for j in ranking])}
 

@@ -27,9 +27,16 @@ user-cross-fitted scorers (never the model that saw that list). The tokenizer is
 train split's prompts and traces only. All randomness is seeded per example: two builds with the
 same inputs and seed are byte-identical.
 
+``candidate_order: scorer`` lists every prompt's candidates in a learned scorer's order instead of
+the retriever's (reranker/data/preranker.py: the pre-ranker, fitted on the validation-position lists,
+orders valid lists cross-fitted by user half and test lists with its full model; train prompts are
+ordered by the teaching scorer above, so no valid target builds training data). Rows keep their
+candidates in retriever order and record the prompt's as ``prompt_order``; it needs a rule trace
+style (the answers are read back from the prompts).
+
 Writes to ``out_dir``: sids.json, tokenizer/, scorer/ (full model; fold<k>/ teaching models),
-train.jsonl, valid.jsonl, test.jsonl, build_report.json, build_info.json (paths relative to
-``out_dir`` so the serving engine can rebuild the co-purchase counts).
+preranker/ (with candidate_order: scorer), train.jsonl, valid.jsonl, test.jsonl, build_report.json,
+build_info.json (paths relative to ``out_dir`` so the serving engine can rebuild the co-purchase counts).
 """
 from __future__ import annotations
 
@@ -51,6 +58,7 @@ from candidate_gen.split import train_sequences
 from reranker.data.evidence import (ITEM_FIELDS, absent_fields, absent_fields_note, candidates_evidence,
                                     item_meta_lookup)
 from reranker.data.features import FeatureContext
+from reranker.data.preranker import CANDIDATE_ORDERS, PreRanker, order_by
 from reranker.data.retrace import RULE_LABEL_STYLES, retrace_row
 from reranker.data.teachers.base import Oracle, TeachExample, TeacherOutput, teacher_stats
 from reranker.data.teachers.rule import RuleTeacher, ScorerConfig, fit_cross_fitted
@@ -259,11 +267,20 @@ def _example(r: Mapping, feats, *, meta, sids, copurchase, max_hist: int) -> Tea
                         min(len(r["history"]), max_hist), Oracle(r["candidates"].index(r["target"])), feats)
 
 
-def _train_tokenizer(train_ex, train_out, sids, meta, profile: str, vocab: int):
+def _in_order(order, *lists):
+    """Each of ``lists`` permuted into ``order`` (None passes through; order None: unchanged)."""
+    if order is None:
+        return lists
+    return tuple(None if xs is None else [xs[j] for j in order] for xs in lists)
+
+
+def _train_tokenizer(train_ex, train_out, sids, meta, profile: str, vocab: int, orders, candidate_order: str):
     """BPE on the train split's prompts (provisional, before the budget) and assistant texts."""
-    corpus = [_corpus_text(render_prompt_messages(e.history, e.candidates, sids, meta, e.evidence, profile=profile))
+    corpus = [_corpus_text(render_prompt_messages(e.history, *_in_order(order, e.candidates), sids, meta,
+                                                  *_in_order(order, e.evidence), profile=profile,
+                                                  candidate_order=candidate_order))
               + "\n" + render_assistant(o.reasoning, [e.candidate_sids[i] for i in o.ranking])
-              for e, o in zip(train_ex, train_out)]
+              for e, o, order in zip(train_ex, train_out, orders)]
     return build_tokenizer(corpus, vocab_size=vocab)
 
 
@@ -285,8 +302,9 @@ class _Renderer:
     assistant token lengths of the train split."""
 
     def __init__(self, tok, sids, meta, writer: TraceWriter, profile: str, max_prompt_tokens, seed: int,
-                 relabel: str | None = None):
+                 relabel: str | None = None, candidate_order: str = "retriever"):
         self.tok, self.sids, self.meta, self.writer = tok, sids, meta, writer
+        self.candidate_order = candidate_order
         self.relabel = relabel  # a RULE_LABEL_STYLES style: each taught row is rewritten as retrace does
         if relabel:
             self._retrace_row = retrace_row
@@ -295,25 +313,28 @@ class _Renderer:
         self.trimmed = 0
         self.tokens: dict[str, list[int]] = {"reasoning": [], "answer": [], "assistant": []}
 
-    def prompt(self, history, candidates, evidence) -> tuple[list[dict], int]:
+    def prompt(self, history, candidates, evidence, order=None) -> tuple[list[dict], int]:
+        """The prompt, its candidates listed in ``order`` (None: as given), and how much history it shows."""
+        candidates, evidence = _in_order(order, candidates, evidence)
+        kw = dict(profile=self.profile, candidate_order=self.candidate_order)
         if self.max_prompt_tokens:
             messages = render_prompt_within_budget(self.tok, self.max_prompt_tokens, history, candidates, self.sids,
-                                                   self.meta, evidence, profile=self.profile)
+                                                   self.meta, evidence, **kw)
         else:
-            messages = render_prompt_messages(history, candidates, self.sids, self.meta, evidence, profile=self.profile)
+            messages = render_prompt_messages(history, candidates, self.sids, self.meta, evidence, **kw)
         shown = _shown_history(messages)
         self.trimmed += shown < min(len(history), self.max_hist)
         return messages, shown
 
-    def taught(self, split: str, src: Mapping, e: TeachExample, o: TeacherOutput) -> dict:
-        messages, shown = self.prompt(e.history, e.candidates, e.evidence)
+    def taught(self, split: str, src: Mapping, e: TeachExample, o: TeacherOutput, order=None) -> dict:
+        messages, shown = self.prompt(e.history, e.candidates, e.evidence, order)
         reasoning = o.reasoning
         if shown < e.shown_history and (o.fallback or o.teacher == "rule"):
             # A template trace: re-ground its history pattern in what the prompt really shows.
             reasoning = self.writer.write(e.history, e.candidates, e.evidence, o.ranking, shown,
                                           trace_rng(self.seed, e.user, e.position))
         assistant = render_assistant(reasoning, [e.candidate_sids[i] for i in o.ranking])
-        row = _row(split, src, e.candidate_sids, messages, assistant, reasoning, o)
+        row = _row(split, src, e.candidate_sids, messages, assistant, reasoning, o, order)
         if self.relabel:
             row = self._retrace_row(row, self.relabel)
         if split == "train":
@@ -323,19 +344,24 @@ class _Renderer:
             self.tokens["assistant"].append(len(types))
         return row
 
-    def test(self, src: Mapping, copurchase) -> dict:
+    def test(self, src: Mapping, copurchase, order=None) -> dict:
         ev = candidates_evidence(src["history"], src["candidates"], self.meta, copurchase, src["user"])
-        messages, _ = self.prompt(src["history"], src["candidates"], ev)
-        return _row("test", src, [self.sids.sid_string(c) for c in src["candidates"]], messages, None, None, None)
+        messages, _ = self.prompt(src["history"], src["candidates"], ev, order)
+        return _row("test", src, [self.sids.sid_string(c) for c in src["candidates"]], messages, None, None, None,
+                    order)
 
 
-def _row(split: str, src: Mapping, candidate_sids, messages, assistant, reasoning, o: TeacherOutput | None) -> dict:
-    return {"user": src["user"], "position": src["position"], "split": split, "source": src["_source"],
-            "history": src["history"], "history_len": src.get("history_len", len(src["history"])),
-            "candidates": src["candidates"], "candidate_sids": list(candidate_sids), "scores": src["scores"],
-            "target": src["target"], "target_index": src["candidates"].index(src["target"]),
-            "prompt_messages": messages, "assistant": assistant, "reasoning": reasoning,
-            "ranking": list(o.ranking) if o else None, "teacher": o.as_dict() if o else None}
+def _row(split: str, src: Mapping, candidate_sids, messages, assistant, reasoning, o: TeacherOutput | None,
+         order=None) -> dict:
+    row = {"user": src["user"], "position": src["position"], "split": split, "source": src["_source"],
+           "history": src["history"], "history_len": src.get("history_len", len(src["history"])),
+           "candidates": src["candidates"], "candidate_sids": list(candidate_sids), "scores": src["scores"],
+           "target": src["target"], "target_index": src["candidates"].index(src["target"]),
+           "prompt_messages": messages, "assistant": assistant, "reasoning": reasoning,
+           "ranking": list(o.ranking) if o else None, "teacher": o.as_dict() if o else None}
+    if order is not None:  # only where the prompt is not in retriever order: retriever builds stay byte-identical
+        row["prompt_order"] = [int(j) for j in order]
+    return row
 
 
 def _prompt_token_stats(tok, split_rows: Mapping[str, list[dict]]) -> dict:
@@ -353,13 +379,18 @@ def build_rerank_data(retrieval_dir, items_path, out_dir, teacher: str = "rule",
                       sid_config: Mapping | None = None, tokenizer_vocab: int = 2000, profile: str = "cpu",
                       max_prompt_tokens: int | None = DEFAULT_MAX_PROMPT_TOKENS, scorer_config: Mapping | None = None,
                       teacher_folds: int = 2, scorer_lists: str = "valid_positions", trace_style: str = "full",
-                      tokenizer_from: str | Path | None = None) -> dict:
+                      tokenizer_from: str | Path | None = None, candidate_order: str = "retriever") -> dict:
     """Build the re-ranking data set (see the module docstring); returns build_report.json's content
     plus ``wall_seconds`` (kept out of the file so builds stay byte-identical)."""
     t0 = time.time()
     retrieval_dir, out = Path(retrieval_dir), Path(out_dir)
     if profile not in PROFILES:
         raise ValueError(f"unknown prompt profile {profile!r}; choose from {sorted(PROFILES)}")
+    if candidate_order not in CANDIDATE_ORDERS:
+        raise ValueError(f"candidate_order must be one of {CANDIDATE_ORDERS}, got {candidate_order!r}")
+    if candidate_order != "retriever" and trace_style not in RULE_LABEL_STYLES:
+        raise ValueError(f"candidate_order: {candidate_order} needs a rule trace style {RULE_LABEL_STYLES} (its "
+                         f"answers are read back from the reordered prompts), got trace_style {trace_style!r}")
     scfg = scorer_settings(scorer_config, seed)
     out.mkdir(parents=True, exist_ok=True)
     seqs, rows = load_retrieval(retrieval_dir)
@@ -387,6 +418,16 @@ def build_rerank_data(retrieval_dir, items_path, out_dir, teacher: str = "rule",
     for k, m in enumerate(scorer.folds):
         m.save(out / "scorer" / f"fold{k}")
     Xv, gv = ctx.featurize(valid_rows, desc="valid features")
+    # 3b. The prompts' candidate order (module docstring): None everywhere keeps the retriever's.
+    orders = {"train": [None] * len(train_rows), "valid": [None] * len(valid_rows), "test": [None] * len(test_rows)}
+    preranker = None
+    if candidate_order == "scorer":
+        preranker = PreRanker.fit([r for r in train_rows if r["_source"] == "valid"] + valid_rows, ctx, scfg, seed)
+        preranker.save(out / "preranker")
+        orders["train"] = [order_by(s) for s in scorer.predict_lists(train_feats, [r["user"] for r in train_rows])]
+        orders["valid"] = preranker.orders(Xv, gv, [r["user"] for r in valid_rows], cross_fitted=True)
+        Xt, gt = ctx.featurize(test_rows, desc="test features")
+        orders["test"] = preranker.orders(Xt, gt, [r["user"] for r in test_rows])
 
     # 4. Teaching (the training subsample is a seeded draw; the scorers saw every train list).
     teach_idx = np.arange(len(train_rows))
@@ -409,17 +450,21 @@ def build_rerank_data(retrieval_dir, items_path, out_dir, teacher: str = "rule",
     if tokenizer_from is not None:
         tok = _reused_tokenizer(tokenizer_from, sids)
     else:
-        tok = _train_tokenizer(train_ex, train_out, sids, meta, profile, tokenizer_vocab)
+        tok = _train_tokenizer(train_ex, train_out, sids, meta, profile, tokenizer_vocab,
+                               [orders["train"][i] for i in teach_idx], candidate_order)
     write_dir_atomically(out / "tokenizer", lambda p: tok.save_pretrained(str(p)))
 
     # 6. Final rows: prompts within the budget, assistant texts, targets.
-    render = _Renderer(tok, sids, meta, writer, profile, max_prompt_tokens, seed, trace_style if relabel else None)
+    render = _Renderer(tok, sids, meta, writer, profile, max_prompt_tokens, seed, trace_style if relabel else None,
+                       candidate_order)
     out_rows = {
-        "train": [render.taught("train", train_rows[i], e, o) for i, e, o in
+        "train": [render.taught("train", train_rows[i], e, o, orders["train"][i]) for i, e, o in
                   tqdm(list(zip(teach_idx, train_ex, train_out)), desc="train rows", unit="ex", leave=False, mininterval=2.0)],
-        "valid": [render.taught("valid", r, e, o) for r, e, o in zip(valid_rows, valid_ex, valid_out)],
-        "test": [render.test(r, ctx.copurchase)
-                 for r in tqdm(test_rows, desc="test rows", unit="ex", leave=False, mininterval=2.0)],
+        "valid": [render.taught("valid", r, e, o, order)
+                  for r, e, o, order in zip(valid_rows, valid_ex, valid_out, orders["valid"])],
+        "test": [render.test(r, ctx.copurchase, order)
+                 for r, order in tqdm(list(zip(test_rows, orders["test"])), desc="test rows", unit="ex", leave=False,
+                                      mininterval=2.0)],
     }
     for split, rs in out_rows.items():
         write_jsonl(out / f"{split}.jsonl", rs)
@@ -429,6 +474,9 @@ def build_rerank_data(retrieval_dir, items_path, out_dir, teacher: str = "rule",
     report = {
         "format": FORMAT, "n_candidates": len(train_rows[0]["candidates"]), "seed": seed, "profile": profile,
         "teacher": teacher, "trace_style": trace_style,
+        **({"candidate_order": candidate_order,
+            "preranker": {"full": preranker.full.info, "folds": [m.info if m else None for m in preranker.folds],
+                          "feature_importance_gain": preranker.full.importance()}} if preranker else {}),
         "splits": {
             "train": {"examples": len(out_rows["train"]), "lists_with_target": len(train_rows),
                       "from_crossfit": sum(r["source"] == "crossfit" for r in out_rows["train"]),
@@ -469,7 +517,9 @@ def _build_info(retrieval_dir: Path, items_path, out: Path, ctx: FeatureContext,
                        "sequences": "retrieval_dir/sequences.json, each user's last two items removed"},
         # Evidence (brand/category match counts) was computed over at most this many recent items.
         "evidence_history_items": max((len(r["history"]) for rs in rows.values() for r in rs), default=0),
-        "artifacts": {"sids": "sids.json", "tokenizer": "tokenizer", "scorer": "scorer"},
+        "artifacts": {"sids": "sids.json", "tokenizer": "tokenizer", "scorer": "scorer",
+                      **({"preranker": "preranker"} if "preranker" in report else {})},
+        **({"candidate_order": report["candidate_order"]} if "candidate_order" in report else {}),
         "profile": report["profile"], "max_prompt_tokens": max_prompt_tokens,
         "n_candidates": report["n_candidates"], "seed": report["seed"],
     }

@@ -8,16 +8,12 @@ line"). Both arms are written the same way, so they differ only in that line:
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 
 from candidate_gen.files import iter_jsonl, write_jsonl
 
 from reranker.data.retrace import copy_support_files
-from reranker.text.prompt import ORDER_LINE_PREFIX, render_order_line
-from reranker.text.sid import SID_RE
-
-_CANDIDATE_LINE = re.compile(r"^\d+\.(" + SID_RE.pattern + r")", re.M)
+from reranker.text.prompt import ORDER_LINE_PREFIX, prompt_candidate_sids, render_order_line
 
 
 def add_order_line(record: dict) -> dict:
@@ -27,7 +23,7 @@ def add_order_line(record: dict) -> dict:
     body = messages[-1]["content"].rstrip("\n")
     if "\n" + ORDER_LINE_PREFIX in body:
         raise ValueError("the prompt already has a retriever-order line")
-    sids = [m.group(1) for m in _CANDIDATE_LINE.finditer(body)]
+    sids = prompt_candidate_sids(body)
     if not sids or "\n" not in body:
         raise ValueError("the prompt has no numbered candidate lines")
     head, last = body.rsplit("\n", 1)

@@ -38,7 +38,8 @@ from candidate_gen.files import atomic_write_text, iter_jsonl, write_jsonl
 
 from reranker.data.teachers.traces import (RULE_LABEL_STYLES, SCAN_HEADS, TOP_SCAN, WHY_FIRST, brief_trace, rest_text,
                                            scan_keys, scan_trace)
-from reranker.text.prompt import parse_candidate_evidence, render_assistant
+from reranker.text.prompt import (parse_candidate_evidence, prompt_candidate_order, prompt_candidate_sids,
+                                  render_assistant)
 
 SPLITS = ("train", "valid", "test")
 RETRACE_STYLES = ("brief",) + RULE_LABEL_STYLES
@@ -91,25 +92,43 @@ def rule_keys(user_text: str, n_candidates: int, style: str) -> list[tuple]:
 
 
 def rule_scan(user_text: str, sids, style: str) -> tuple[str, list[int]]:
-    """(trace, ranking) of a RULE_LABEL_STYLES style, from the evidence lines of a rendered prompt."""
+    """(trace, ranking) of a RULE_LABEL_STYLES style, from the evidence lines of a rendered prompt.
+    ``sids``: the candidates' SIDs in the order the prompt lists them; the ranking indexes them."""
     counts, head, brands = _rule_inputs(user_text, len(sids), style)
-    return scan_trace(sids, counts, head, brands, top=_scan_and_top(style)[1])
+    return scan_trace(sids, counts, head, brands, top=_scan_and_top(style)[1],
+                      candidate_order=prompt_candidate_order(user_text))
+
+
+def shown_order(user_text: str, candidate_sids) -> list[int]:
+    """The candidate indices in the order a rendered prompt lists them (the retriever's, or the
+    pre-ranker's: reranker/data/preranker.py)."""
+    shown = prompt_candidate_sids(user_text)
+    index = {s: j for j, s in enumerate(candidate_sids)}
+    if len(shown) != len(candidate_sids) or set(shown) != set(index):
+        raise ValueError(f"the prompt lists {len(shown)} candidate lines that are not the row's "
+                         f"{len(candidate_sids)} candidate_sids")
+    return [index[s] for s in shown]
 
 
 def retrace_row(row: dict, style: str = "brief") -> dict:
     """``row`` with a ``style`` trace; rows without a teacher ranking (test) are returned as is."""
     if row.get("ranking") is None:
         return row
-    sids = row["candidate_sids"]
+    sids, text = row["candidate_sids"], user_text(row)
+    # The trace numbers candidates as the prompt lists them; the row's ranking indexes candidate_sids.
+    order = shown_order(text, sids)
     if style in RULE_LABEL_STYLES:
-        reasoning, ranking = rule_scan(user_text(row), sids, style)
+        reasoning, at = rule_scan(text, [sids[j] for j in order], style)
+        ranking = [order[p] for p in at]
     else:
         why = why_of(row.get("reasoning") or "")
         if why is None:
             raise ValueError(f"trace of user {row.get('user')!r} names none of the rule teacher's reasons; "
                              "only template (rule teacher) traces can be retraced")
         ranking = [int(i) for i in row["ranking"]]
-        reasoning = brief_trace(sids[ranking[0]], ranking[0], why, rest_text(ranking))
+        at = [order.index(j) for j in ranking]
+        reasoning = brief_trace(sids[ranking[0]], at[0], why,
+                                rest_text(at, candidate_order=prompt_candidate_order(text)))
     return {**row, "ranking": ranking, "reasoning": reasoning,
             "assistant": render_assistant(reasoning, [sids[i] for i in ranking])}
 

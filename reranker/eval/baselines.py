@@ -24,17 +24,20 @@ retriever order and with the learned scorer (same users).
 
 ``split="valid"`` measures the same baselines on the selection users' validation lists instead, so
 choices can be weighed against them without reading the test split: there the learned scorer is
-cross-fitted over two halves of those users (each half scored by a scorer fitted without it), so it
-learns from half of the selection lists the test baseline's scorer learns from.
+cross-fitted over two halves of the users (each half scored by a scorer fitted without it), so it
+learns from about half of the lists the test baseline's scorer learns from.
+
+The learned scorer is reranker/data/preranker.py's PreRanker: a data directory built with
+``candidate_order: scorer`` carries the one its prompts were ordered by, and that one is the baseline
+(a model that writes the rest of its list in that order is compared with exactly that order);
+otherwise it is fitted here the same way.
 
 ``run_baselines`` returns a dict for docs/results/rerank-baselines-<name>.json (``save_baselines``);
 ``baselines_table`` renders it as Markdown.
 """
 from __future__ import annotations
 
-import functools
 import json
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -45,17 +48,12 @@ from candidate_gen.split import train_sequences
 from reranker.data.dataset import load_retrieval, load_split, scorer_settings
 from reranker.data.evidence import item_meta_lookup
 from reranker.data.features import FEATURE_NAMES, FeatureContext
-from reranker.data.teachers.rule import LtrScorer
+from reranker.data.preranker import PreRanker, order_by
 from reranker.eval.metrics import compare, new_ranks, summarize
 
 _CP_LAST = FEATURE_NAMES.index("copurchase_last1")
 _RECENT_BRAND = [FEATURE_NAMES.index(f) for f in
                  ("copurchase_last1", "copurchase_last2", "copurchase_last3", "brand_match_count")]
-
-
-def _order_by(values: np.ndarray) -> list[int]:
-    """Candidate indices by value, descending; ties keep retriever order."""
-    return [int(i) for i in np.argsort(-np.asarray(values, dtype=np.float64), kind="stable")]
 
 
 def _order_lexicographic(rows: np.ndarray) -> list[int]:
@@ -64,10 +62,9 @@ def _order_lexicographic(rows: np.ndarray) -> list[int]:
     return sorted(range(len(keys)), key=lambda j: tuple(-v for v in keys[j]) + (j,))
 
 
-# Baseline results carry this; a stored baselines.json of another version is recomputed.
-BASELINES_VERSION = 3
+# Baselines results carry this; a stored baselines.json of another version is recomputed.
+BASELINES_VERSION = 4  # 4: the learned scorer is the PreRanker (its valid folds exclude whole user halves)
 SPLITS = ("test", "valid")
-VALID_FOLDS = 2  # user halves the validation split's learned scorer is cross-fitted over
 
 
 def scorer_lists(data_dir: Path) -> list[dict]:
@@ -77,21 +74,17 @@ def scorer_lists(data_dir: Path) -> list[dict]:
     return [r for r in rows if r.get("target") in r["candidates"]]
 
 
-def fit_learned_scorer(data_dir: Path, ctx: FeatureContext, exclude_users=frozenset(),
-                       lists: list[dict] | None = None) -> LtrScorer | None:
-    """The learned-scorer baseline (module docstring), fitted without ``exclude_users``' lists; None
-    when fewer than two such lists are left. ``lists``: `scorer_lists`, when already read."""
-    rows = [r for r in (scorer_lists(data_dir) if lists is None else lists) if r["user"] not in exclude_users]
+def learned_scorer(data_dir: Path, ctx: FeatureContext, seed: int = 0) -> PreRanker | None:
+    """The learned-scorer baseline (module docstring): the data's own pre-ranker, else one fitted on
+    `scorer_lists` with the data build's scorer settings; None when fewer than two lists have a target."""
+    if (data_dir / "preranker" / "preranker.json").is_file():
+        return PreRanker.load(data_dir / "preranker")
+    rows = scorer_lists(data_dir)
     if len(rows) < 2:
         return None
     saved = data_dir / "scorer" / "scorer.json"
     settings = json.loads(saved.read_text(encoding="utf-8")).get("info", {}).get("config", {}) if saved.is_file() else {}
-    config = scorer_settings(settings, int(settings.get("seed", 0)))
-    X, groups = ctx.featurize(rows, desc="scorer features")
-    labels = np.concatenate([[c == r["target"] for c in r["candidates"]] for r in rows]).astype(np.float32)
-    scorer = LtrScorer.fit(X, groups, labels, [r["user"] for r in rows], config)
-    scorer.info["baseline_lists"] = len(rows)
-    return scorer
+    return PreRanker.fit(rows, ctx, scorer_settings(settings, int(settings.get("seed", 0))), seed)
 
 
 def _resolve_inputs(data_dir: Path, retrieval_dir, items_path):
@@ -106,31 +99,13 @@ def _resolve_inputs(data_dir: Path, retrieval_dir, items_path):
             Path(items_path) if items_path is not None else data_dir / info["items_path"])
 
 
-class UserFoldScorers:
-    """Learned scorers each fitted without one fold of users; a list is scored by its own fold's."""
-
-    def __init__(self, scorers: dict[int, LtrScorer], fold_of):
-        self.scorers, self.fold_of = scorers, fold_of
-
-    def predict_rows(self, X: np.ndarray, rows, offsets: np.ndarray) -> np.ndarray:
-        out = np.empty(len(X), dtype=np.float64)
-        for i, row in enumerate(rows):
-            a, b = offsets[i], offsets[i + 1]
-            out[a:b] = self.scorers[self.fold_of(row["user"])].predict(X[a:b])
-        return out
-
-
-def user_fold(user: str, folds: int, seed: int) -> int:
-    """A user's fold: a seeded hash, so it does not depend on which lists are loaded."""
-    return zlib.crc32(f"{seed}:{user}".encode()) % folds
-
-
-def baseline_permutations(rows, ctx: FeatureContext, scorer: LtrScorer | UserFoldScorers | None,
-                          seed: int = 0) -> dict[str, list[list[int]]]:
+def baseline_permutations(rows, ctx: FeatureContext, scorer: PreRanker | None, seed: int = 0,
+                          cross_fitted: bool = False) -> dict[str, list[list[int]]]:
+    """Each baseline's permutation per row; the learned scorer's from ``scorer`` (cross_fitted: each
+    row by the model fitted without its user's half)."""
     X, groups = ctx.featurize(rows, desc="baseline features")
     offsets = np.concatenate([[0], np.cumsum(groups)]).astype(int)
-    scores = (None if scorer is None else scorer.predict_rows(X, rows, offsets)
-              if isinstance(scorer, UserFoldScorers) else scorer.predict(X))
+    learned = None if scorer is None else scorer.orders(X, groups, [r["user"] for r in rows], cross_fitted)
     perms: dict[str, list[list[int]]] = {"retriever": [], "random": [], "copurchase_last": [],
                                          "copurchase_recent_brand": [], "copurchase_recent_brand_pick": []}
     if scorer is not None:
@@ -141,12 +116,12 @@ def baseline_permutations(rows, ctx: FeatureContext, scorer: LtrScorer | UserFol
         a, b = offsets[i], offsets[i + 1]
         perms["retriever"].append(list(range(n)))
         perms["random"].append([int(j) for j in rng.permutation(n)])
-        perms["copurchase_last"].append(_order_by(X[a:b, _CP_LAST]))
+        perms["copurchase_last"].append(order_by(X[a:b, _CP_LAST]))
         rule = _order_lexicographic(X[a:b][:, _RECENT_BRAND])
         perms["copurchase_recent_brand"].append(rule)
         perms["copurchase_recent_brand_pick"].append([rule[0]] + [j for j in range(n) if j != rule[0]])
-        if scorer is not None:
-            perms["learned_scorer"].append(_order_by(scores[a:b]))
+        if learned is not None:
+            perms["learned_scorer"].append(learned[i])
     return perms
 
 
@@ -165,15 +140,11 @@ def split_permutations(data_dir, retrieval_dir=None, items_path=None, seed: int 
                              f"got {r.get('target_index')!r}")
     seqs, _ = load_retrieval(retrieval_dir)
     ctx = FeatureContext(train_sequences(seqs), item_meta_lookup(load_items(items_path).to_frame()))
-    if split == "test":
-        scorer = fit_learned_scorer(data_dir, ctx)
-    else:  # each half of the selection users scored by a scorer that never saw it
-        fold_of = functools.partial(user_fold, folds=VALID_FOLDS, seed=seed)
-        halves = {f: {r["user"] for r in rows if fold_of(r["user"]) == f} for f in range(VALID_FOLDS)}
-        lists = scorer_lists(data_dir)  # read once for both halves
-        scorers = {f: fit_learned_scorer(data_dir, ctx, users, lists) for f, users in halves.items()}
-        scorer = None if None in scorers.values() else UserFoldScorers(scorers, fold_of)
-    return rows, baseline_permutations(rows, ctx, scorer, seed)
+    scorer = learned_scorer(data_dir, ctx, seed)
+    if scorer is not None and split == "valid" and None in scorer.folds:
+        scorer = None  # a half of the users left too few lists to fit a scorer without it
+    # valid: each half of the selection users scored by a scorer that never saw it
+    return rows, baseline_permutations(rows, ctx, scorer, seed, cross_fitted=split == "valid")
 
 
 def baseline_ranks(data_dir, retrieval_dir=None, items_path=None, seed: int = 0) -> dict[str, np.ndarray]:

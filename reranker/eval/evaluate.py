@@ -3,7 +3,9 @@
 Reports Recall@1/3, NDCG@3/5, the valid-output rate and each failure kind, the fallback rate, the
 copy-the-input-order rate, generated tokens and decode tokens/s, with paired bootstrap 95% CIs of
 every metric's difference against the retriever order (and against any reference run given).
-Invalid output falls back to the retriever order, as in the paper.
+Invalid output falls back to the order the prompt listed (the retriever's, as in the paper, or the
+pre-ranker's: reranker/data/preranker.py). The valid split's lists are ordered by the pre-ranker's
+cross-fitted models (`engine_for_split`), as the data build ordered them.
 """
 from __future__ import annotations
 
@@ -27,6 +29,28 @@ def load_examples(path: Path, limit: int | None = None) -> list[dict]:
     return read_jsonl(path, {"history": list, "candidates": list, "target_index": int}, limit)
 
 
+def request_of(row: dict) -> RerankRequest:
+    """The engine request of a data row."""
+    return RerankRequest(row["history"], row["candidates"], row.get("scores"), row.get("user"), row.get("history_len"))
+
+
+def engine_for_split(model_dir, data_dir, split: str) -> RerankEngine:
+    """The engine for evaluating ``split``: on the valid split a pre-ranker orders each list with the
+    model fitted without its user (the selection users' lists are in what the full model was fitted on)."""
+    return RerankEngine.load(model_dir, data_dir, cross_fitted=split == "valid")
+
+
+def check_list_orders(engine: RerankEngine, examples: list[dict], where: str) -> None:
+    """Rows that record the order their prompt listed the candidates in (``prompt_order``, data built
+    with a pre-ranker) must get that order from the engine too, or the model is scored on prompts
+    it was not selected on: a ValueError names the first row that differs."""
+    for k, row in enumerate(examples, start=1):
+        if "prompt_order" in row and engine.list_order(request_of(row)) != list(row["prompt_order"]):
+            raise ValueError(f"{where}:{k}: the engine lists the candidates as {engine.list_order(request_of(row))}, "
+                             f"the data's prompt as {row['prompt_order']} (its field 'prompt_order'); evaluate the "
+                             f"valid split with the cross-fitted pre-ranker and the test split without it")
+
+
 def evaluate(engine: RerankEngine, examples: list[dict], options: DecodeOptions, batch_size: int = 8,
              progress: bool = True, keep_outputs: bool = False, workers: int = 1) -> dict:
     """Decode every example (batches of batch_size, in order) and score the rankings.
@@ -35,9 +59,8 @@ def evaluate(engine: RerankEngine, examples: list[dict], options: DecodeOptions,
     `decode_seconds` then sums the workers' decode times, `wall_seconds` is the elapsed time."""
     t0 = time.perf_counter()
     chunks = [examples[b:b + batch_size] for b in range(0, len(examples), batch_size)]
-    decoded = rerank_batches(engine, [[RerankRequest(r["history"], r["candidates"], r.get("scores"), r.get("user"))
-                                       for r in chunk] for chunk in chunks], options, workers)
-    perms, outputs = [], []
+    decoded = rerank_batches(engine, [[request_of(r) for r in chunk] for chunk in chunks], options, workers)
+    perms, outputs, shown = [], [], []
     failures = {k: 0 for k in FAILURE_KINDS}
     valid = gen_tokens = n_forward = 0
     decode_seconds = row_tokens = 0.0
@@ -48,6 +71,7 @@ def evaluate(engine: RerankEngine, examples: list[dict], options: DecodeOptions,
         row_tokens += sum(r.generated_tokens for r in results) / max(len(results), 1)  # mean row length
         for r in results:
             perms.append(r.permutation)
+            shown.append(r.list_order if r.list_order is not None else list(range(len(r.permutation))))
             valid += r.valid
             gen_tokens += r.generated_tokens
             if r.failure:
@@ -70,7 +94,8 @@ def evaluate(engine: RerankEngine, examples: list[dict], options: DecodeOptions,
         "batch_size": batch_size, "workers": workers, **summarize(ranks),
         "valid_rate": valid / max(n, 1), "fallback_rate": 1 - valid / max(n, 1),
         "failures": failures,
-        "copy_order_rate": float(np.mean([p == list(range(len(p))) for p in perms])) if n else 0.0,
+        # answers that repeat the order the prompt listed (the retriever's or the pre-ranker's)
+        "copy_order_rate": float(np.mean([p == o for p, o in zip(perms, shown)])) if n else 0.0,
         "generated_tokens": gen_tokens, "mean_generated_tokens": gen_tokens / max(n, 1),
         "decode_seconds": decode_seconds, "tokens_per_second": gen_tokens / max(decode_seconds, 1e-9),
         # per row (as reranker.eval.speed): AR 1 whatever the batch; _batched divides by every row's tokens
@@ -91,8 +116,10 @@ def evaluate_dirs(model_dir, data_dir, split: str = "test", options: DecodeOptio
     """options None: `settings` (the decode settings given, by name) over what the model records
     (RerankEngine.decode_options)."""
     data_dir = RerankEngine.data_dir_for(model_dir, data_dir)  # None: the model's release bundle
-    engine = RerankEngine.load(model_dir, data_dir)
-    examples = load_examples(Path(data_dir) / f"{split}.jsonl", limit)
+    engine = engine_for_split(model_dir, data_dir, split)
+    path = Path(data_dir) / f"{split}.jsonl"
+    examples = load_examples(path, limit)
+    check_list_orders(engine, examples, str(path))
     options = options if options is not None else engine.decode_options(settings)
     report = evaluate(engine, examples, options, batch_size, progress, keep_outputs, workers)
     report.update({"model": str(model_dir), "data": str(data_dir), "split": split})

@@ -696,11 +696,11 @@ def speed_benchmark_from_engines(engine_ar, engine_diff, examples, n_prompts=8, 
     """measure_speed on the prompts of the first n_prompts examples, rendered by the engines (the
     same prompt the service and `dgr2 eval` decode); accuracy (if asked) on all examples or the
     first accuracy_limit. `kw` go to measure_speed."""
-    from reranker.engine import RerankRequest
+    from reranker.eval.evaluate import request_of
 
     if not examples:
         raise ValueError("no examples to build prompts from")
-    reqs = [RerankRequest(r["history"], r["candidates"], r.get("scores"), r.get("user")) for r in examples[:n_prompts]]
+    reqs = [request_of(r) for r in examples[:n_prompts]]
     prompts = [engine_ar.prompt_ids(r) for r in reqs]
     if [engine_diff.prompt_ids(r) for r in reqs] != prompts:
         raise ValueError("the AR and diffusion tokenizers render different prompt ids; a speed comparison "

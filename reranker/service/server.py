@@ -91,7 +91,7 @@ def fitting_candidates(engine, max_new_tokens: int, cap: int = CANDIDATES_CAP) -
 
     def fits(n: int) -> bool:
         try:
-            engine.prompt_ids(RerankRequest(history=history, candidates=pool[:n]), max_new_tokens)
+            engine.prompt_ids(RerankRequest(history=history, candidates=pool[:n], scores=[0.0] * n), max_new_tokens)
             return True
         except ValueError:
             return False
@@ -222,7 +222,7 @@ class RerankerService(pb_grpc.RerankerServicer):
             return
         decoders = ["ar"] + (["diffusion"] if self.diffusion_available else [])
         for decoder in decoders:  # with the default settings, so the default path is the warm one
-            self.engine.rerank([RerankRequest(history=items[:1], candidates=items)],
+            self.engine.rerank([RerankRequest(history=items[:1], candidates=items, scores=[0.0] * len(items))],
                                replace(self.defaults, decoder=decoder,
                                        max_new_tokens=min(8, self.limits.max_new_tokens)))
 

@@ -90,8 +90,12 @@ def fallback_permutation(n: int) -> list[int]:
     return list(range(n))
 
 
-def permutation_or_fallback(result: ParseResult, n: int) -> list[int]:
-    return list(result.permutation) if result.ok else fallback_permutation(n)
+def permutation_or_fallback(result: ParseResult, n: int, order=None) -> list[int]:
+    """The parsed permutation, or, for an invalid answer, ``order`` (the list the prompt showed; None:
+    the retriever order)."""
+    if result.ok:
+        return list(result.permutation)
+    return fallback_permutation(n) if order is None else [int(j) for j in order]
 
 
 class FailureCounter:

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from reranker.data.evidence import ItemMeta, absent_fields, as_item_meta
+from reranker.text.sid import SID_RE
 from reranker.text.tokenizer import THINK_CLOSE, THINK_OPEN
 
 
@@ -157,12 +158,14 @@ def render_prompt_messages(
     evidence: Sequence[Mapping] | None,
     max_history: int | None = None,
     profile: str = "cpu",
+    candidate_order: str = "retriever",
 ) -> list[dict]:
     """[system, user] chat messages for one re-ranking request.
 
     ``history`` is time ordered (oldest first); only the most recent ``max_history``
-    items (profile default) are shown. ``candidates`` keep the retriever's order, which
-    the prompt numbers 1..N. ``evidence[i]`` belongs to ``candidates[i]`` (None: omit).
+    items (profile default) are shown. The prompt numbers ``candidates`` 1..N as given, and its
+    header and order line name what that order is (``candidate_order``: the retriever's, or the
+    pre-ranker's, reranker/data/preranker.py). ``evidence[i]`` belongs to ``candidates[i]`` (None: omit).
     """
     if profile not in PROFILES:
         raise ValueError(f"unknown prompt profile {profile!r}; choose from {sorted(PROFILES)}")
@@ -177,6 +180,8 @@ def render_prompt_messages(
         raise ValueError(f"candidate {dup!r} appears more than once")
     if evidence is not None and len(evidence) != len(candidates):
         raise ValueError(f"{len(evidence)} evidence entries for {len(candidates)} candidates")
+    if candidate_order not in CANDIDATES_HEADERS:
+        raise ValueError(f"candidate_order must be one of {sorted(CANDIDATES_HEADERS)}, got {candidate_order!r}")
     meta = as_item_meta(items_meta)
     empty = ItemMeta("", "", ())
     absent = absent_fields(meta)
@@ -188,7 +193,7 @@ def render_prompt_messages(
     lines += [_joined(sids.sid_string(i), _item_text(meta.get(i, empty), prof, absent)) for i in shown]
     if not shown:
         lines.append("none")
-    header = CANDIDATES_HEADER
+    header = CANDIDATES_HEADERS[candidate_order]
     if evidence is not None and prof.legend:
         header += " " + evidence_legend(int(evidence[0].get("window", 1)), absent)
     lines.append(header)
@@ -199,7 +204,7 @@ def render_prompt_messages(
             line += "; " + format_evidence(evidence[rank - 1], absent)
         lines.append(line)
     if prof.order_line:
-        lines.append(render_order_line(cand_sids))
+        lines.append(render_order_line(cand_sids, candidate_order))
     lines.append(f"Rank all {len(candidates)} candidates.")
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "\n".join(lines)}]
 
@@ -212,7 +217,7 @@ def prompt_token_count(tokenizer, messages: list[dict]) -> int:
 
 def render_prompt_within_budget(
     tokenizer, max_prompt_tokens: int, history, candidates, sids, items_meta, evidence,
-    max_history: int | None = None, profile: str = "cpu",
+    max_history: int | None = None, profile: str = "cpu", candidate_order: str = "retriever",
 ) -> list[dict]:
     """:func:`render_prompt_messages`, dropping the oldest shown history items until the
     prompt fits ``max_prompt_tokens`` (a hard guarantee for fixed-context models).
@@ -222,7 +227,7 @@ def render_prompt_within_budget(
     h = PROFILES[profile].max_history if max_history is None else int(max_history)
     h = max(1, min(h, len(history)))
     while True:
-        messages = render_prompt_messages(history, candidates, sids, items_meta, evidence, h, profile)
+        messages = render_prompt_messages(history, candidates, sids, items_meta, evidence, h, profile, candidate_order)
         n = prompt_token_count(tokenizer, messages)
         if n <= max_prompt_tokens:
             return messages
@@ -231,13 +236,32 @@ def render_prompt_within_budget(
         h -= 1
 
 
-ORDER_LINE_PREFIX = "Retriever order: "
-CANDIDATES_HEADER = "Candidates (retriever order)."
+# What the numbered candidate list follows, as the prompt's header and its order line name it.
+CANDIDATES_HEADERS = {"retriever": "Candidates (retriever order).", "scorer": "Candidates (scorer order)."}
+ORDER_LINE_PREFIXES = {"retriever": "Retriever order: ", "scorer": "Scorer order: "}
+CANDIDATES_HEADER = CANDIDATES_HEADERS["retriever"]
+ORDER_LINE_PREFIX = ORDER_LINE_PREFIXES["retriever"]
 
 
-def render_order_line(candidate_sids: Sequence[str]) -> str:
-    """The prompt's retriever-order line: the candidate SIDs in the list the answer writes."""
-    return ORDER_LINE_PREFIX + json.dumps(list(candidate_sids))
+def render_order_line(candidate_sids: Sequence[str], candidate_order: str = "retriever") -> str:
+    """The prompt's order line: the candidate SIDs in the list the answer writes."""
+    return ORDER_LINE_PREFIXES[candidate_order] + json.dumps(list(candidate_sids))
+
+
+def prompt_candidate_order(user_text: str) -> str:
+    """Which order a rendered prompt lists its candidates in (its header says), "retriever" or "scorer"."""
+    for name, header in CANDIDATES_HEADERS.items():
+        if "\n" + header in user_text or user_text.startswith(header):
+            return name
+    raise ValueError(f"prompt has none of the candidate headers {list(CANDIDATES_HEADERS.values())}")
+
+
+_CANDIDATE_LINE = re.compile(r"^\d+\.(" + SID_RE.pattern + r")", re.M)
+
+
+def prompt_candidate_sids(user_text: str) -> list[str]:
+    """The SIDs of a rendered prompt's numbered candidate lines, in the order it lists them."""
+    return [m.group(1) for m in _CANDIDATE_LINE.finditer(user_text)]
 
 
 def reorder_candidates(user_text: str, candidate_sids: Sequence[str], order: Sequence[int]) -> str:
@@ -248,9 +272,11 @@ def reorder_candidates(user_text: str, candidate_sids: Sequence[str], order: Seq
     if sorted(order) != list(range(n)):
         raise ValueError(f"order must be a permutation of 0..{n - 1}, got {list(order)}")
     lines = user_text.split("\n")
-    head = next((i for i, line in enumerate(lines) if line.startswith(CANDIDATES_HEADER)), None)
+    order_name = prompt_candidate_order(user_text)
+    header = CANDIDATES_HEADERS[order_name]
+    head = next((i for i, line in enumerate(lines) if line.startswith(header)), None)
     if head is None or head + n > len(lines) - 1:
-        raise ValueError(f"prompt has no {CANDIDATES_HEADER!r} section with {n} numbered lines")
+        raise ValueError(f"prompt has no {header!r} section with {n} numbered lines")
     body = []
     for k in range(1, n + 1):
         line = lines[head + k]
@@ -259,8 +285,8 @@ def reorder_candidates(user_text: str, candidate_sids: Sequence[str], order: Seq
         body.append(line[len(f"{k}."):])
     lines[head + 1:head + 1 + n] = [f"{k + 1}.{body[j]}" for k, j in enumerate(order)]
     for i, line in enumerate(lines):
-        if line.startswith(ORDER_LINE_PREFIX):
-            lines[i] = render_order_line([candidate_sids[j] for j in order])
+        if line.startswith(ORDER_LINE_PREFIXES[order_name]):
+            lines[i] = render_order_line([candidate_sids[j] for j in order], order_name)
     return "\n".join(lines)
 
 

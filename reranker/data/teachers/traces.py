@@ -277,12 +277,13 @@ def top_scan(counts: Sequence, head: str, brands: Sequence[int] | None = None,
 
 
 def scan_trace(candidate_sids: Sequence[str], counts: Sequence, head: str = SCAN_HEADS["last"],
-               brands: Sequence[int] | None = None, top: int = 1) -> tuple[str, list[int]]:
+               brands: Sequence[int] | None = None, top: int = 1,
+               candidate_order: str = "retriever") -> tuple[str, list[int]]:
     """(trace, ranking) of the "scan" style: the co-purchase scan line, then the brief decision.
 
     The ranking is the scan's pick first (with ``top`` > 1, the scan's best ``top`` in order), the
-    rest in retriever order: the trace and the answer are one deterministic function of the
-    prompt's evidence (with single counts after the last item, the co-purchase-after-last rule's
+    rest in the prompt's order (``candidate_order`` names it: "retriever" or "scorer"): the trace and
+    the answer are one deterministic function of the prompt's evidence (with single counts after the last item, the co-purchase-after-last rule's
     head).
     """
     if len(candidate_sids) != len(counts):
@@ -304,14 +305,16 @@ def scan_trace(candidate_sids: Sequence[str], counts: Sequence, head: str = SCAN
     # the answer had to look them up in the prompt, and a demo-sized model mostly wrote the first
     # SID again (docs/EXPERIMENTS.md, "a scan that orders its best three").
     if len(picked) == 1:
-        rest = rest_text(ranking)
+        rest = rest_text(ranking, candidate_order=candidate_order)
     else:
-        rest = "".join(f"#{j + 1}.{candidate_sids[j]}, " for j in picked[1:]) + "then the rest in retriever order"
+        rest = ("".join(f"#{j + 1}.{candidate_sids[j]}, " for j in picked[1:])
+                + f"then the rest in {candidate_order} order")
     return f"{line}\n{brief_trace(candidate_sids[first], first, why, rest)}", ranking
 
 
-def rest_text(ranking: Sequence[int], cited: int = 3) -> str:
-    """What the ranking does below its head, e.g. "#3, then the rest in retriever order"."""
+def rest_text(ranking: Sequence[int], cited: int = 3, candidate_order: str = "retriever") -> str:
+    """What the ranking does below its head, e.g. "#3, then the rest in retriever order" (the order
+    the prompt lists the candidates in, which ``candidate_order`` names)."""
     # Where it keeps the retriever order from some point on, say so (then the answer follows from
     # the trace and the prompt).
     tail_from = len(ranking)
@@ -319,6 +322,6 @@ def rest_text(ranking: Sequence[int], cited: int = 3) -> str:
         tail_from -= 1
     named = [f"#{int(j) + 1}" for j in ranking[1:min(tail_from, cited)]]
     if tail_from <= cited:
-        return (", ".join(named) + ", then " if named else "") + "the rest in retriever order"
+        return (", ".join(named) + ", then " if named else "") + f"the rest in {candidate_order} order"
     rest = [f"#{int(j) + 1}" for j in ranking[1:cited]]
     return (", ".join(rest) + " and the rest by weaker evidence") if rest else "the rest"

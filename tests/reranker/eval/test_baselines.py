@@ -105,17 +105,17 @@ def test_learned_scorer_is_fitted_on_every_validation_position_list_outside_test
     from candidate_gen.split import train_sequences
     from reranker.data.dataset import load_split
     from reranker.data.features import FeatureContext
-    from reranker.eval.baselines import fit_learned_scorer
+    from reranker.eval.baselines import learned_scorer
 
     data, r, items = built
     train, valid = load_split(data, "train"), load_split(data, "valid")
     n_valid_source = sum(row["source"] == "valid" for row in train)
     assert 0 < n_valid_source < len(train) and len(valid) == 10
     ctx = FeatureContext(train_sequences(json.loads((r / "sequences.json").read_text())), {})
-    scorer = fit_learned_scorer(data, ctx)
-    assert scorer.info["baseline_lists"] == n_valid_source + len(valid)
+    scorer = learned_scorer(data, ctx)
+    assert scorer.full.info["fitted_lists"] == n_valid_source + len(valid)
     saved = json.loads((data / "scorer" / "scorer.json").read_text())["info"]["config"]
-    assert scorer.info["config"]["n_estimators"] == saved["n_estimators"] == 60  # the build's settings
+    assert scorer.full.info["config"]["n_estimators"] == saved["n_estimators"] == 60  # the build's settings
 
 
 def test_valid_split_baselines_cross_fit_the_scorer_over_user_halves(built):
@@ -124,7 +124,8 @@ def test_valid_split_baselines_cross_fit_the_scorer_over_user_halves(built):
     from candidate_gen.split import train_sequences
     from reranker.data.dataset import load_split
     from reranker.data.features import FeatureContext
-    from reranker.eval.baselines import VALID_FOLDS, fit_learned_scorer, split_permutations, user_fold
+    from reranker.data.preranker import FOLDS, user_fold
+    from reranker.eval.baselines import learned_scorer, split_permutations
 
     data, r, items = built
     res = run_baselines(data, n_boot=200, split="valid")
@@ -137,11 +138,19 @@ def test_valid_split_baselines_cross_fit_the_scorer_over_user_halves(built):
     assert d["diff"] == pytest.approx(m["retriever"] - m["learned_scorer"]) and d["ci_low"] <= d["diff"] <= d["ci_high"]
     rows, perms = split_permutations(data, seed=0, split="valid")
     assert [row["user"] for row in rows] == [row["user"] for row in valid]
-    halves = [{row["user"] for row in valid if user_fold(row["user"], VALID_FOLDS, 0) == f} for f in range(2)]
+    halves = [{row["user"] for row in valid if user_fold(row["user"], FOLDS, 0) == f} for f in range(2)]
     assert all(halves) and not halves[0] & halves[1]
-    ctx = FeatureContext(train_sequences(json.loads((r / "sequences.json").read_text())), {})
-    full = fit_learned_scorer(data, ctx).info["baseline_lists"]
-    assert fit_learned_scorer(data, ctx, exclude_users=halves[0]).info["baseline_lists"] == full - len(halves[0])
+    from candidate_gen.atomic import load_items
+    from reranker.data.evidence import item_meta_lookup
+
+    ctx = FeatureContext(train_sequences(json.loads((r / "sequences.json").read_text())),
+                         item_meta_lookup(load_items(items).to_frame()))  # as split_permutations builds it
+    scorer = learned_scorer(data, ctx)
+    fitted = [row for row in load_split(data, "train") if row["source"] == "valid"] + valid
+    for k, model in enumerate(scorer.folds):  # each fold's model never saw a list of its half's users
+        assert model.info["fitted_lists"] == sum(user_fold(row["user"], FOLDS, 0) != k for row in fitted)
+    X, groups = ctx.featurize(rows)
+    assert perms["learned_scorer"] == scorer.orders(X, groups, [row["user"] for row in rows], cross_fitted=True)
     # the rule's pick first, the rest in retriever order
     for rule, pick in zip(perms["copurchase_recent_brand"], perms["copurchase_recent_brand_pick"]):
         assert pick == [rule[0]] + [j for j in range(len(rule)) if j != rule[0]]
