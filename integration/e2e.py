@@ -5,6 +5,10 @@ is retrained), the same RecBole config (full sort, leave-one-out test split, Rec
 and the same test users; only the re-ranker plugged into `SASRecReranked` changes. History items are
 masked in every row (see integration/recbole_model.py).
 
+Where the re-ranking data was built with a pre-ranker (`candidate_order: scorer`), a row "SASRec +
+pre-ranker" comes second: the learned scorer's order alone, which every language-model row's prompt
+lists and falls back to, so what the model adds to it is a row apart.
+
 Writes docs/results/recbole-e2e-<name>.json (schema: integration/bench.py `recbole_section`).
 """
 from __future__ import annotations
@@ -19,6 +23,9 @@ from reranker.decoding import DECODERS
 from reranker.eval.metrics import paired_bootstrap, per_user
 
 from .config import retrieval_settings, section
+
+
+PRERANKER_ROW = "SASRec + pre-ranker"
 
 
 def parse_reranker(spec: str) -> tuple[str, str, str]:
@@ -81,6 +88,8 @@ def run_e2e(cfg: dict, rerankers: list[tuple[str, str, str]], n_users: int | Non
     from candidate_gen.recbole_compat import recbole_compat
     from candidate_gen.sasrec import recbole_config_dict
 
+    from reranker.engine import PreRankerOrder
+
     from .recbole_model import SASRecReranked
 
     data_root, name, ckpt, sasrec_params = _retrieval_artifacts(cfg, data_override)
@@ -88,6 +97,8 @@ def run_e2e(cfg: dict, rerankers: list[tuple[str, str, str]], n_users: int | Non
     for rname, model_dir, decoder in rerankers:
         if decoder not in DECODERS:
             raise ValueError(f"--reranker {rname!r}: decoder must be one of {DECODERS}, got {decoder!r}")
+        if rname == PRERANKER_ROW:
+            raise ValueError(f"--reranker {rname!r}: that name is the pre-ranker's own row; name the model otherwise")
         if not Path(model_dir).is_dir():
             raise FileNotFoundError(f"--reranker {rname!r}: model directory {model_dir} not found")
     if rerankers and not (rerank_data / "build_info.json").exists():
@@ -129,11 +140,17 @@ def run_e2e(cfg: dict, rerankers: list[tuple[str, str, str]], n_users: int | Non
         rows = []
         per_user: dict[str, dict[int, int]] = {}
         n_boot = int(ev.get("n_boot", 2000))
-        for rname, model_dir, decoder in [("SASRec alone", None, None), *rerankers]:
-            config["rerank_model"] = model_dir
+        pre_ranked = rerankers and json.loads((rerank_data / "build_info.json").read_text()).get(
+            "candidate_order", "retriever") != "retriever"
+        # named by its place in the run, not by a path of this machine (the row is published)
+        pre_row = [(PRERANKER_ROW, "rerank_data/preranker", None)] if pre_ranked else []
+        for rname, model_dir, decoder in [("SASRec alone", None, None), *pre_row, *rerankers]:
+            is_pre = rname == PRERANKER_ROW and decoder is None
+            config["rerank_model"] = None if is_pre else model_dir
             config["rerank_decoder"] = decoder or "ar"
             init_seed(config["seed"], config["reproducibility"])
-            model = SASRecReranked(config, train_data.dataset).to(config["device"])
+            engine = PreRankerOrder.load(rerank_data) if is_pre else None
+            model = SASRecReranked(config, train_data.dataset, engine).to(config["device"])
             model.target_ranks = []
             bar = None
             if progress and model.engine is not None:

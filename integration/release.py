@@ -6,6 +6,8 @@
     <bundle>/copurchase.npz        saved evidence files (co-purchase counts, plain arrays: no pickle)
     <bundle>/item_fields.json      and the prompt fields of every item with a semantic ID
     <bundle>/sids.json             item <-> semantic ID
+    <bundle>/preranker/            with candidate_order: scorer, the pre-ranker's full model (LightGBM
+    <bundle>/train_sequences.json.gz  text) and the training sequences its features count over
     <bundle>/test.jsonl            the test split's rendered prompts, candidates and targets
     <bundle>/metrics.json          the run's stage table, each row with its model's model_sha256
     <bundle>/recipe.*              the config the run was made from (its sha256 in the card)
@@ -199,7 +201,11 @@ def model_card(metrics: dict, recipe_name: str, recipe_sha: str, info: dict, com
              f"`test.jsonl`: {n_test} test prompts (rendered, with candidates and the target); candidates per list: "
              f"{info.get('n_candidates')}; co-purchase window {(info.get('copurchase') or {}).get('window')}, counted "
              "on the training split, each user's own pairs left out of that user's evidence "
-             f"(`{EVIDENCE_FILES['copurchase']}`); item fields for prompts in `{EVIDENCE_FILES['item_fields']}`.",
+             f"(`{EVIDENCE_FILES['copurchase']}`); item fields for prompts in `{EVIDENCE_FILES['item_fields']}`."
+             + (" Prompts list the candidates in the pre-ranker's order (`preranker/`, LightGBM on the evidence "
+                "features, which count over `train_sequences.json.gz`): a request must carry the retriever's "
+                "scores, and an invalid answer falls back to that order."
+                if info.get("candidate_order", "retriever") != "retriever" else ""),
              *_retrieval_lines(metrics), "",
              "## Recipe", "",
              f"`{recipe_name}` (sha256 `{recipe_sha}`), run by `dgr2 pipeline`" + _trained_at(metrics)

@@ -232,16 +232,9 @@ class RerankEngine:
 
     def list_order(self, req: RerankRequest) -> list[int]:
         """The candidate indices in the order the prompt lists them: the pre-ranker's, else as given."""
-        n = len(req.candidates)
         if self.preranker is None:
-            return list(range(n))
-        if req.scores is None or len(req.scores) != n:
-            raise ValueError(f"this model's pre-ranker orders candidates by features of the retriever's scores: "
-                             f"the request needs one score per candidate ({n}), got "
-                             f"{'none' if req.scores is None else len(req.scores)}")
-        x = self.features.list_features(req.user or "", list(req.history), list(req.candidates), list(req.scores),
-                                        req.history_len)
-        return self.preranker.orders(x, [n], [req.user], self.cross_fitted)[0]
+            return list(range(len(req.candidates)))
+        return preranker_order(self.preranker, self.features, req, self.cross_fitted)
 
     def _prompt_inputs(self, req: RerankRequest):
         unknown = [c for c in req.candidates if not self.known(c)]
@@ -345,6 +338,49 @@ class RerankEngine:
                 permutation=permutation_or_fallback(parsed, len(req.candidates), order), valid=parsed.ok,
                 fallback=not parsed.ok, failure=parsed.failure, reasoning=split_reasoning(text), text=text,
                 generated_tokens=len(toks), forward_passes=n_forward, decode_seconds=seconds, list_order=order))
+        return out
+
+
+def preranker_order(preranker, features, req: RerankRequest, cross_fitted: bool = False) -> list[int]:
+    """``req``'s candidate indices in ``preranker``'s order, from the features ``features`` (a
+    FeatureContext) computes for the request."""
+    n = len(req.candidates)
+    if req.scores is None or len(req.scores) != n:
+        raise ValueError(f"this model's pre-ranker orders candidates by features of the retriever's scores: "
+                         f"the request needs one score per candidate ({n}), got "
+                         f"{'none' if req.scores is None else len(req.scores)}")
+    x = features.list_features(req.user or "", list(req.history), list(req.candidates), list(req.scores),
+                               req.history_len)
+    return preranker.orders(x, [n], [req.user], cross_fitted)[0]
+
+
+class PreRankerOrder:
+    """A pre-ranked engine without its language model: every request answered with the pre-ranker's
+    order (`dgr2 e2e` runs it as its own row, so what the model adds to that order is shown apart)."""
+
+    recorded = None  # no decode settings: a caller's options are ignored
+
+    def __init__(self, preranker, features):
+        self.preranker, self.features = preranker, features
+
+    @classmethod
+    def load(cls, data_dir) -> "PreRankerOrder":
+        data_dir = Path(data_dir)
+        info = json.loads((data_dir / "build_info.json").read_text())
+        _, meta = RerankEngine.load_evidence(data_dir, info)
+        preranker, features = RerankEngine.load_preranker(data_dir, info, meta)
+        if preranker is None:
+            raise ValueError(f"{data_dir / 'build_info.json'}: the data was built without a pre-ranker "
+                             "(candidate_order: retriever)")
+        return cls(preranker, features)
+
+    def rerank(self, requests: list[RerankRequest], options=None, prompts=None) -> list[RerankResult]:
+        out = []
+        for req in requests:
+            order = preranker_order(self.preranker, self.features, req)
+            out.append(RerankResult(permutation=order, valid=True, fallback=False, failure=None, reasoning="",
+                                    text="", generated_tokens=0, forward_passes=0, decode_seconds=0.0,
+                                    list_order=order))
         return out
 
 

@@ -114,6 +114,29 @@ def test_rerankers_on_a_seeded_user_sample(world, monkeypatch, tmp_path):
     assert f"40 of {n_total} test users (a random sample, seed 1" in "\n".join(recbole_section("tiny", res))
 
 
+def test_a_pre_ranked_run_gets_the_pre_rankers_own_row(world, tiny_catalog, tmp_path):
+    """Data built with a pre-ranker: its order alone is a row, and a model row whose every answer falls
+    back gets exactly that row's order (the prompt's order), not SASRec's."""
+    cfg, out = world
+    out2 = tmp_path / "out"
+    out2.mkdir()
+    (out2 / "retrieval").symlink_to(out / "retrieval")
+    build_rerank_data(out / "retrieval", tiny_catalog / "tiny.item", out2 / "rerank_data", n_selection_users=60,
+                      tokenizer_vocab=500, max_train_examples=40, trace_style="scan_brand", candidate_order="scorer")
+    init_model(out2 / "rerank_data", out2 / "models" / "ar", size=TINY)
+    res = run_e2e({**cfg, "out": str(out2)}, [("AR GR2", str(out2 / "models" / "ar"), "ar")], 40, seed=1,
+                  batch_size=8, tau=None, progress=False)
+    alone, pre, ar = res["rows"]
+    assert [r["name"] for r in res["rows"]] == ["SASRec alone", "SASRec + pre-ranker", "AR GR2"]
+    assert pre["model_dir"] == "rerank_data/preranker" and pre["fallback_rate"] == 0.0
+    assert pre["users_reordered"] > 0 and pre["recall@10"] == pytest.approx(alone["recall@10"], abs=1e-9)
+    assert ar["fallback_rate"] == 1.0 and ar["ndcg@10"] == pytest.approx(pre["ndcg@10"], abs=1e-9)
+    assert ar["vs_sasrec"]["ndcg@10"] == pre["vs_sasrec"]["ndcg@10"]
+    with pytest.raises(ValueError, match="the pre-ranker's own row"):
+        run_e2e({**cfg, "out": str(out2)}, [("SASRec + pre-ranker", str(out2 / "models" / "ar"), "ar")], 5, 0, 8,
+                None, progress=False)
+
+
 def test_user_sample_is_seeded():
     users = [f"u{k}" for k in range(100)]
     a = sample_users(users, 10, 0)
