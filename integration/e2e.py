@@ -117,6 +117,8 @@ def run_e2e(cfg: dict, rerankers: list[tuple[str, str, str]], n_users: int | Non
         settings = recbole_config_dict(data_root, run_dir, sasrec_params, int(cfg.get("seed", 0)))
         settings.update(sasrec_checkpoint=str(ckpt), mask_history=True, rerank_model=None,
                         rerank_data=str(rerank_data), rerank_top_n=10, rerank_batch_size=batch_size,
+                        # each user's whole history, as the data build's test lists carry it
+                        rerank_sequences=str(data_root.parent / "sequences.json"),
                         rerank_workers=workers,
                         rerank_tau=tau, rerank_commit_rule=commit_rule, rerank_hold_eos=hold_eos,
                         rerank_block_size=ev.get("block_size"),
@@ -182,6 +184,7 @@ def run_e2e(cfg: dict, rerankers: list[tuple[str, str, str]], n_users: int | Non
                 st = model.rerank_stats
                 row.update(model_dir=str(model_dir), users_reordered=st["reordered"],
                            fallback_rate=st["fallback"] / max(st["users"], 1),
+                           users_with_recbole_history=st["recbole_history"],
                            seconds_per_user=round(seconds / max(n_eval, 1), 4))
             rows.append(row)
 

@@ -93,13 +93,13 @@ def run_full_pipeline(cfg: dict, data_override: str | None = None, only_until: s
         _step("data", 2, n_steps, "semantic IDs, tokenizer, teacher traces")
         build_rerank_data(rs.out, items_path, data_dir, seed=seed, **dcfg)
         mark_step(data_dir / ".pipeline_done.json", h_data, seconds=time.time() - t)
-    # The non-LM baselines; a stored file made by another version of them is made again.
+    # The non-LM baselines; a stored file made by another version of them, or from other data, is made again.
     baselines_path = out / "baselines.json"
     stored = json.loads(baselines_path.read_text()) if baselines_path.is_file() else {}
-    if stored.get("version") != BASELINES_VERSION:
+    if stored.get("version") != BASELINES_VERSION or stored.get("data_hash", h_data) != h_data:
         _step("data", 2, n_steps, "non-LM baselines on the test users")
         baselines = run_baselines(data_dir, n_boot=int(section(cfg, "eval").get("n_boot", 2000)), seed=seed)
-        atomic_write_text(baselines_path, json.dumps(baselines, indent=2))
+        atomic_write_text(baselines_path, json.dumps({**baselines, "data_hash": h_data}, indent=2))
     timings["data"] = time.time() - t
     if only_until == "data":
         return {"retrieval": retrieval}

@@ -13,6 +13,10 @@ RecBole config keys (YAML or config_dict):
     mask_history: true
     rerank_model: model directory (AR or converted diffusion); null = SASRec alone
     rerank_data: re-ranking data directory (dgr2 data build)
+    rerank_sequences: the retrieval run's sequences.json (optional): each test user's whole history
+        (its last 50 items and its length) goes to the re-ranker, as the data build's test lists
+        carry it, instead of the MAX_ITEM_LIST_LENGTH items of RecBole's sequence; a user whose
+        RecBole sequence is not the tail of it keeps RecBole's (counted in rerank_stats)
     rerank_top_n: 10
     rerank_batch_size: 8
     rerank_workers: 1 (batches decoded at once, reranker.engine.rerank_batches; 2 on a 2-core CPU)
@@ -21,7 +25,8 @@ RecBole config keys (YAML or config_dict):
         rerank_temperature): unset or null is the model's recorded setting, else the default there
 
 After an evaluation, `rerank_stats` counts the users the re-ranker saw, those whose top-N it
-re-ordered, and those where its answer did not parse and the retriever order was kept (fallback).
+re-ordered, those where its answer did not parse and the order its prompt listed was kept
+(fallback: SASRec's, or the pre-ranker's), and those whose history came from RecBole's sequence.
 """
 from __future__ import annotations
 
@@ -77,7 +82,13 @@ class SASRecReranked(SequentialRecommender):
                 items.update(int(x) for x in lists[r] if x > 0)
         self.engine = engine
         self.options = None
-        self.rerank_stats = {"users": 0, "reordered": 0, "fallback": 0}
+        self.rerank_stats = {"users": 0, "reordered": 0, "fallback": 0, "recbole_history": 0}
+        seq_path = _get(config, "rerank_sequences", None)
+        self.sequences = None
+        if seq_path:
+            import json
+
+            self.sequences = json.loads(open(seq_path, encoding="utf-8").read())
         self.target_ranks: list[tuple[int, int]] | None = None  # a list: full_sort_predict records into it
         model_dir = _get(config, "rerank_model", None)
         if self.engine is None and model_dir:
@@ -126,6 +137,17 @@ class SASRecReranked(SequentialRecommender):
         ranks = (real > t).sum(dim=1).cpu().numpy()
         self.target_ranks.extend(zip((int(u) for u in uids), (int(k) for k in ranks)))
 
+    def _whole_history(self, user: str, history: list[str]) -> tuple[list[str], int | None]:
+        """(history, its whole length) for the re-ranker: from rerank_sequences where RecBole's sequence
+        is the tail of the user's sequence before its test item, else RecBole's (length None)."""
+        from candidate_gen.retrieve import HISTORY_KEEP  # the history a candidate list carries
+
+        seq = (self.sequences or {}).get(user)
+        if seq is not None and len(seq) > len(history) and seq[:-1][len(seq) - 1 - len(history):] == history:
+            return seq[max(0, len(seq) - 1 - HISTORY_KEEP):-1], len(seq) - 1
+        self.rerank_stats["recbole_history"] += 1
+        return history, None
+
     @torch.no_grad()
     def _rerank_top(self, scores, seqs, uids):
         from reranker.engine import RerankRequest, rerank_batches
@@ -135,8 +157,11 @@ class SASRecReranked(SequentialRecommender):
         reqs = []
         for r, u in enumerate(uids):
             history = [self.item_tokens[i] for i in self._history(seqs[r], int(u))]
+            history, history_len = self._whole_history(self.user_tokens[int(u)], history)
             cands = [self.item_tokens[i] for i in top_idx_np[r]]
-            reqs.append(RerankRequest(history, cands, top_scores[r].tolist(), self.user_tokens[int(u)]))
+            # rounded as the retrieval stage stores a list's scores (the pre-ranker's features read them)
+            scores_r = [round(float(x), 6) for x in top_scores[r].tolist()]
+            reqs.append(RerankRequest(history, cands, scores_r, self.user_tokens[int(u)], history_len))
         perms = []
         batches = [reqs[b:b + self.batch_size] for b in range(0, len(reqs), self.batch_size)]
         for results in rerank_batches(self.engine, batches, self.options, self.workers):

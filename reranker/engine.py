@@ -54,7 +54,7 @@ class RerankRequest:
 class RerankResult:
     permutation: list[int]  # candidate indices, best first (always a valid permutation)
     valid: bool  # the model's own answer parsed to a valid permutation
-    fallback: bool  # the retriever order was returned instead
+    fallback: bool  # the order the prompt listed was returned instead (list_order; None: the retriever's)
     failure: str | None  # unparsable | out_of_set | duplicate | dropped
     reasoning: str
     text: str
@@ -102,10 +102,14 @@ class RerankEngine:
         self.model = model.eval()
         # The pre-ranker and the training-split statistics its features read (FeatureContext); without
         # one the prompt lists the candidates as the request gives them. cross_fitted: order each user's
-        # list by the model fitted without the user's half (the valid split's lists, `dgr2 eval`).
+        # list by the model fitted without the user's half (the valid split's lists, `dgr2 eval`); no
+        # effect without a pre-ranker.
         if (preranker is None) != (features is None):
             raise ValueError("a pre-ranker needs its feature context, and one without the other is unused")
         self.preranker, self.features, self.cross_fitted = preranker, features, bool(cross_fitted)
+        if self.cross_fitted and preranker is not None and None in preranker.folds:
+            raise ValueError("cross_fitted needs a pre-ranker with a model per user half (a run's data "
+                             "directory; a release bundle carries the full model alone)")
         self.candidate_order = "scorer" if preranker is not None else "retriever"
         self.tokenizer = tokenizer
         self.sids = sids
@@ -147,7 +151,7 @@ class RerankEngine:
             raise FileNotFoundError(f"{info_path}: missing; build the re-ranking data with `dgr2 data build`")
         info = json.loads(info_path.read_text())
         copurchase, meta = cls.load_evidence(data_dir, info)
-        preranker, features = cls.load_preranker(data_dir, info, meta)
+        preranker, features = cls.load_preranker(data_dir, info, meta, copurchase)
         model = load_model(model_dir, device=device)  # first: it names a missing or damaged model dir
         tok = load_tokenizer(model_dir)
         return cls(model, tok, SemanticIds.load(data_dir / "sids.json"), meta, copurchase,
@@ -156,17 +160,18 @@ class RerankEngine:
                    info.get("evidence_history_items") or None, preranker, features, cross_fitted)
 
     @staticmethod
-    def load_preranker(data_dir, info: dict, meta):
-        """(pre-ranker, its FeatureContext) of data built with candidate_order: scorer, else (None, None)."""
+    def load_preranker(data_dir, info: dict, meta, copurchase: CoPurchaseCounts | None = None):
+        """(pre-ranker, its FeatureContext) of data built with candidate_order: scorer, else (None, None).
+        ``copurchase``: the counts load_evidence read (the features count with the same ones)."""
         from reranker.data.features import FeatureContext
-        from reranker.data.preranker import PreRanker
+        from reranker.data.preranker import CANDIDATE_ORDERS, PreRanker
 
         order = info.get("candidate_order", "retriever")
+        if order not in CANDIDATE_ORDERS:
+            raise ValueError(f"{Path(data_dir) / 'build_info.json'}: field 'candidate_order': expected one of "
+                             f"{CANDIDATE_ORDERS}, got {order!r}")
         if order == "retriever":
             return None, None
-        if order != "scorer":
-            raise ValueError(f"{Path(data_dir) / 'build_info.json'}: field 'candidate_order': expected "
-                             f"'retriever' or 'scorer', got {order!r}")
         data_dir = Path(data_dir)
         preranker = PreRanker.load(data_dir / (info.get("artifacts") or {}).get("preranker", "preranker"))
         files = info.get("evidence_files")
@@ -181,7 +186,7 @@ class RerankEngine:
 
             seqs = train_sequences(json.loads(((data_dir / info["retrieval_dir"]).resolve() / "sequences.json")
                                               .read_text(encoding="utf-8")))
-        return preranker, FeatureContext(seqs, meta, window=window)
+        return preranker, FeatureContext(seqs, meta, window=window, copurchase=copurchase)
 
     @staticmethod
     def load_evidence(data_dir, info: dict):
@@ -367,8 +372,8 @@ class PreRankerOrder:
     def load(cls, data_dir) -> "PreRankerOrder":
         data_dir = Path(data_dir)
         info = json.loads((data_dir / "build_info.json").read_text())
-        _, meta = RerankEngine.load_evidence(data_dir, info)
-        preranker, features = RerankEngine.load_preranker(data_dir, info, meta)
+        copurchase, meta = RerankEngine.load_evidence(data_dir, info)
+        preranker, features = RerankEngine.load_preranker(data_dir, info, meta, copurchase)
         if preranker is None:
             raise ValueError(f"{data_dir / 'build_info.json'}: the data was built without a pre-ranker "
                              "(candidate_order: retriever)")

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from candidate_gen.files import atomic_write_text, read_jsonl
 
-from reranker.text.prompt import prompt_candidate_sids, render_assistant, reorder_candidates
+from reranker.text.prompt import prompt_candidate_order, prompt_candidate_sids, render_assistant, reorder_candidates
 from reranker.text.sid import SID_CODEBOOK, SID_RE, SemanticIds, format_sid
 
 SYSTEM = "Copy the candidates."
@@ -76,13 +76,13 @@ def relabel_sids(record: dict, rng: random.Random, last_codes: int | None = None
     return out
 
 
-def _promote_answer(sids: list[str], k: int) -> str:
+def _promote_answer(sids: list[str], k: int, candidate_order: str = "retriever") -> str:
     """The assistant text of a copy task: a one-sentence <think> block, then #k first and the rest
-    in the listed order, in the re-ranking answer format."""
+    in the listed order (which ``candidate_order`` names), in the re-ranking answer format."""
     if not 0 <= k < len(sids):
         raise ValueError(f"promoted index {k} outside 0..{len(sids) - 1}")
     order = [sids[k]] + [s for i, s in enumerate(sids) if i != k]
-    think = f"<think>\n{sids[k]} (#{k + 1}) first, then the rest in retriever order.\n</think>\n"
+    think = f"<think>\n{sids[k]} (#{k + 1}) first, then the rest in {candidate_order} order.\n</think>\n"
     return think + json.dumps({"ranking": order}, ensure_ascii=False)
 
 
@@ -97,11 +97,16 @@ def copy_example(sids: list[str], k: int) -> dict:
 
 def full_prompt_copy_example(record: dict, k: int) -> dict:
     """The same copy task inside a real re-ranking prompt (history SIDs and evidence lines included,
-    the distractors a short prompt lacks): its last line asks for #k first, then the rest in order."""
-    assistant = _promote_answer([str(s) for s in record["candidate_sids"]], k)
+    the distractors a short prompt lacks): its last line asks for #k first (as the prompt numbers
+    them), then the rest in the prompt's order."""
     messages = [dict(m) for m in record["prompt_messages"]]
-    body = messages[-1]["content"].rstrip("\n").rsplit("\n", 1)[0]  # drop the "Rank all N candidates." line
-    messages[-1]["content"] = f"{body}\nPut #{k + 1} first, then the rest in retriever order."
+    text = messages[-1]["content"]
+    order = prompt_candidate_order(text)
+    # the SIDs as the prompt numbers them (a prompt without numbered lines: the record's, as they came)
+    shown = prompt_candidate_sids(text) or [str(c) for c in record["candidate_sids"]]
+    assistant = _promote_answer(shown, k, order)
+    body = text.rstrip("\n").rsplit("\n", 1)[0]  # drop the "Rank all N candidates." line
+    messages[-1]["content"] = f"{body}\nPut #{k + 1} first, then the rest in {order} order."
     return {"prompt_messages": messages, "assistant": assistant}
 
 
@@ -195,7 +200,10 @@ def reorder_for_uniform_pick(record: dict, style: str, rng: random.Random) -> di
     from .retrace import rule_keys, user_text  # retrace imports the dataset module, which is heavy
 
     text = user_text(record)
-    sids = prompt_candidate_sids(text)  # as the prompt lists them (its order may be the pre-ranker's)
+    if prompt_candidate_order(text) != "retriever":
+        raise ValueError("uniform_pick shuffles a retriever-ordered prompt; this one lists the candidates in "
+                         f"{prompt_candidate_order(text)} order, which a shuffle would misname")
+    sids = prompt_candidate_sids(text)
     order = uniform_pick_order(rule_keys(text, len(sids), style), rng)
     text = reorder_candidates(text, sids, order)
     messages = [dict(m, content=text) if m.get("role") == "user" else dict(m) for m in record["prompt_messages"]]
@@ -234,7 +242,7 @@ def build_copy_warmup(data_dir, out_name: str = "copy_warmup.jsonl", seed: int =
                       uniform_pick: bool = False) -> Path:
     """Write <data_dir>/<out_name>: one warm-up example per list of <data_dir>/<source>
     (train.jsonl for training; valid.jsonl gives held-out examples for the SID-copy diagnostic).
-    full_prompt: keep the list's real prompt (retriever order, history and evidence) instead of a
+    full_prompt: keep the list's real prompt (its candidate order, history and evidence) instead of a
     short shuffled list of SIDs. random_sids: relabel every SID at random (`relabel_sids`), so the
     examples test and teach copying, not the catalogue. out_path: write there instead (held-out probe
     files belong outside the data dir, whose fingerprint covers every top-level JSONL file).

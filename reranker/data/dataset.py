@@ -44,6 +44,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -421,8 +422,14 @@ def build_rerank_data(retrieval_dir, items_path, out_dir, teacher: str = "rule",
     # 3b. The prompts' candidate order (module docstring): None everywhere keeps the retriever's.
     orders = {"train": [None] * len(train_rows), "valid": [None] * len(valid_rows), "test": [None] * len(test_rows)}
     preranker = None
+    if candidate_order == "retriever" and (out / "preranker").is_dir():
+        shutil.rmtree(out / "preranker")  # an earlier build's: nothing here reads it any more
     if candidate_order == "scorer":
         preranker = PreRanker.fit([r for r in train_rows if r["_source"] == "valid"] + valid_rows, ctx, scfg, seed)
+        if None in preranker.folds:
+            raise ValueError(f"the pre-ranker's user halves: one has under 2 validation-position lists with their "
+                             f"target to fit a model without it ({len(valid_rows)} selection lists); raise "
+                             f"n_selection_users or use candidate_order: retriever")
         preranker.save(out / "preranker")
         orders["train"] = [order_by(s) for s in scorer.predict_lists(train_feats, [r["user"] for r in train_rows])]
         orders["valid"] = preranker.orders(Xv, gv, [r["user"] for r in valid_rows], cross_fitted=True)

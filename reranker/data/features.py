@@ -60,10 +60,13 @@ def _pair_starts(seq: Sequence[str], window: int) -> Counter:
 class FeatureContext:
     """Training-split statistics shared by every list (fit once, reuse for all splits)."""
 
-    def __init__(self, train_sequences: Mapping[str, Sequence[str]], items_meta, window: int = 1):
+    def __init__(self, train_sequences: Mapping[str, Sequence[str]], items_meta, window: int = 1,
+                 copurchase: CoPurchaseCounts | None = None):
+        """``copurchase``: the counts of these sequences when already made (a release bundle's saved
+        ones), else they are counted here."""
         self.meta = as_item_meta(items_meta)
         self.train_sequences = train_sequences
-        self.copurchase = CoPurchaseCounts.fit(train_sequences, window=window)
+        self.copurchase = copurchase if copurchase is not None else CoPurchaseCounts.fit(train_sequences, window=window)
         self.window = self.copurchase.window
         self.popularity: Counter = Counter()
         self.out_count: Counter = Counter()
@@ -75,10 +78,14 @@ class FeatureContext:
     def _user_counts(self, user: str) -> tuple[Counter, Counter]:
         """(item counts, pair-start counts) of one user's training sequence; rows come sorted by
         user, so a one-entry cache removes nearly all recomputation."""
-        if self._user_cache[0] != user:
+        # One read and one write of the whole tuple: the engine computes features on several threads
+        # at once, and a cache read in parts could mix two users' counts.
+        cached = self._user_cache
+        if cached[0] != user:
             seq = self.train_sequences.get(user, ())
-            self._user_cache = (user, Counter(seq), _pair_starts(seq, self.window))
-        return self._user_cache[1], self._user_cache[2]
+            cached = (user, Counter(seq), _pair_starts(seq, self.window))
+            self._user_cache = cached
+        return cached[1], cached[2]
 
     def list_features(self, user: str, history: Sequence[str], candidates: Sequence[str],
                       scores: Sequence[float], history_len: int | None = None) -> np.ndarray:

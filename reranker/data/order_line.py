@@ -13,7 +13,7 @@ from pathlib import Path
 from candidate_gen.files import iter_jsonl, write_jsonl
 
 from reranker.data.retrace import copy_support_files
-from reranker.text.prompt import ORDER_LINE_PREFIX, prompt_candidate_sids, render_order_line
+from reranker.text.prompt import CANDIDATES_HEADERS, ORDER_LINE_PREFIX, prompt_candidate_sids, render_order_line
 
 
 def add_order_line(record: dict) -> dict:
@@ -21,6 +21,8 @@ def add_order_line(record: dict) -> dict:
     listing the SIDs of its numbered candidate lines in order, as render_prompt_messages writes it."""
     messages = [dict(m) for m in record["prompt_messages"]]
     body = messages[-1]["content"].rstrip("\n")
+    if CANDIDATES_HEADERS["scorer"] in body:
+        raise ValueError("the prompt lists its candidates in scorer order, which has its own order line")
     if "\n" + ORDER_LINE_PREFIX in body:
         raise ValueError("the prompt already has a retriever-order line")
     sids = prompt_candidate_sids(body)

@@ -32,7 +32,7 @@ import numpy as np
 
 from candidate_gen.files import atomic_write_text
 from reranker.data.features import FeatureContext
-from reranker.data.teachers.rule import LtrScorer, ScorerConfig
+from reranker.data.teachers.rule import LtrScorer, ScorerConfig, predict_per_model
 
 FORMAT = "diffusion-gr2/preranker/v1"
 FOLDS = 2  # user halves the valid lists' models are cross-fitted over
@@ -93,18 +93,8 @@ class PreRanker:
                cross_fitted: bool = False) -> list[np.ndarray]:
         """Scores per list of the stacked features ``X`` (``groups``: list sizes), one predict per model."""
         offsets = np.concatenate([[0], np.cumsum(groups)]).astype(int)
-        by_model: dict[int, list[int]] = {}
-        models = {}
-        for i, u in enumerate(users):
-            m = self.scorer_for(u, cross_fitted)
-            by_model.setdefault(id(m), []).append(i)
-            models[id(m)] = m
-        out: list[np.ndarray | None] = [None] * len(users)
-        for key, idx in by_model.items():
-            s = models[key].predict(np.concatenate([X[offsets[i]:offsets[i + 1]] for i in idx]))
-            for i, part in zip(idx, np.split(s, np.cumsum([groups[i] for i in idx])[:-1])):
-                out[i] = part
-        return out  # type: ignore[return-value]
+        blocks = [X[offsets[i]:offsets[i + 1]] for i in range(len(users))]
+        return predict_per_model([self.scorer_for(u, cross_fitted) for u in users], blocks)
 
     def orders(self, X: np.ndarray, groups: Sequence[int], users: Sequence[str | None],
                cross_fitted: bool = False) -> list[list[int]]:
@@ -130,9 +120,15 @@ class PreRanker:
         meta = json.loads(path.read_text(encoding="utf-8"))
         if meta.get("format") != FORMAT:
             raise ValueError(f"{path}: field 'format': expected {FORMAT!r}, got {meta.get('format')!r}")
-        present = meta.get("fold_models") or []
-        folds = [LtrScorer.load(d / f"fold{k}") if k < len(present) and present[k] and (d / f"fold{k}").is_dir()
-                 else None for k in range(int(meta.get("folds", 0)))]
+        n, present = meta.get("folds"), meta.get("fold_models")
+        if not isinstance(n, int) or n < 2 or not isinstance(present, list) or len(present) != n:
+            raise ValueError(f"{path}: fields 'folds' and 'fold_models': expected a count >= 2 and one flag per "
+                             f"fold, got {n!r} and {present!r}")
+        missing = [k for k in range(n) if present[k] and not (d / f"fold{k}" / "model.txt").is_file()]
+        if missing:
+            raise ValueError(f"{path}: fold model(s) {missing} are marked present but {d}/fold{missing[0]}/model.txt "
+                             "is missing")
+        folds = [LtrScorer.load(d / f"fold{k}") if present[k] else None for k in range(n)]
         return cls(LtrScorer.load(d / "full"), folds, int(meta.get("seed", 0)))
 
 

@@ -9,9 +9,9 @@ The styles:
 * "brief" keeps each ranking and writes its decision sentence alone.
 * "scan" replaces the ranking too: the co-purchase scan of ``scan_trace`` (each candidate's count
   of purchases right after the user's last item, with a running best), then the decision for the
-  scan's pick, the rest in retriever order. Its labels are a function of the prompt (read back
-  from the prompt's evidence lines), not the held-out target, so the model is taught to use the
-  evidence rather than the target's position prior.
+  scan's pick, the rest in the prompt's order (the retriever's, or a pre-ranker's). Its labels are
+  a function of the prompt (read back from the prompt's evidence lines), not the held-out target,
+  so the model is taught to use the evidence rather than the target's position prior.
 * "scan_recent": the same with the counts after each of the last 3 items ("2/0/1", newest first),
   compared in that order (a tie after the last item is broken by the one before).
 * "scan_brand": "scan_recent" with each candidate's same-brand history count written after its
@@ -19,7 +19,7 @@ The styles:
   best rule of those tried (right on 0.3707 of them, against 0.3674 for "scan_recent" and 0.3648
   for "scan").
 * Each of the three with "_top3" ("scan_brand_top3"): the scan keeps a running list of its best
-  3 (`top_scan`) and the answer puts them first, in order, the rest in retriever order. The pick
+  3 (`top_scan`) and the answer puts them first, in order, the rest in the prompt's order. The pick
   is the same; the head of the list is ordered by the rule too (on Beauty's selection lists,
   NDCG@3 0.4966 against 0.4758 for the pick alone; docs/EXPERIMENTS.md).
 
@@ -43,7 +43,7 @@ from reranker.text.prompt import (parse_candidate_evidence, prompt_candidate_ord
 
 SPLITS = ("train", "valid", "test")
 RETRACE_STYLES = ("brief",) + RULE_LABEL_STYLES
-COPIED = ("sids.json", "tokenizer", "scorer")
+COPIED = ("sids.json", "tokenizer", "scorer", "preranker")  # what a data directory carries beside its splits
 
 
 def why_of(reasoning: str) -> str | None:
@@ -143,8 +143,8 @@ def _rebased(info: dict, src: Path, dst: Path) -> dict:
 
 
 def copy_support_files(src: Path, dst: Path) -> None:
-    """Everything of data dir ``src`` but its splits, into ``dst``: SIDs, tokenizer, scorer, and
-    build_info.json with its paths re-anchored at ``dst``."""
+    """Everything of data dir ``src`` but its splits, into ``dst``: SIDs, tokenizer, scorer, pre-ranker,
+    and build_info.json with its paths re-anchored at ``dst``."""
     for name in COPIED:
         s, d = src / name, dst / name
         if s.is_dir():

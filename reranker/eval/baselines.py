@@ -77,8 +77,10 @@ def scorer_lists(data_dir: Path) -> list[dict]:
 def learned_scorer(data_dir: Path, ctx: FeatureContext, seed: int = 0) -> PreRanker | None:
     """The learned-scorer baseline (module docstring): the data's own pre-ranker, else one fitted on
     `scorer_lists` with the data build's scorer settings; None when fewer than two lists have a target."""
-    if (data_dir / "preranker" / "preranker.json").is_file():
-        return PreRanker.load(data_dir / "preranker")
+    info_path = data_dir / "build_info.json"
+    info = json.loads(info_path.read_text(encoding="utf-8")) if info_path.is_file() else {}
+    if info.get("candidate_order", "retriever") != "retriever":  # what the build_info says, not a leftover dir
+        return PreRanker.load(data_dir / (info.get("artifacts") or {}).get("preranker", "preranker"))
     rows = scorer_lists(data_dir)
     if len(rows) < 2:
         return None

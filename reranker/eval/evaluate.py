@@ -34,10 +34,10 @@ def request_of(row: dict) -> RerankRequest:
     return RerankRequest(row["history"], row["candidates"], row.get("scores"), row.get("user"), row.get("history_len"))
 
 
-def engine_for_split(model_dir, data_dir, split: str) -> RerankEngine:
+def engine_for_split(model_dir, data_dir, split: str, device: str = "cpu") -> RerankEngine:
     """The engine for evaluating ``split``: on the valid split a pre-ranker orders each list with the
     model fitted without its user (the selection users' lists are in what the full model was fitted on)."""
-    return RerankEngine.load(model_dir, data_dir, cross_fitted=split == "valid")
+    return RerankEngine.load(model_dir, data_dir, device=device, cross_fitted=split == "valid")
 
 
 def check_list_orders(engine: RerankEngine, examples: list[dict], where: str) -> None:
@@ -45,10 +45,22 @@ def check_list_orders(engine: RerankEngine, examples: list[dict], where: str) ->
     with a pre-ranker) must get that order from the engine too, or the model is scored on prompts
     it was not selected on: a ValueError names the first row that differs."""
     for k, row in enumerate(examples, start=1):
-        if "prompt_order" in row and engine.list_order(request_of(row)) != list(row["prompt_order"]):
-            raise ValueError(f"{where}:{k}: the engine lists the candidates as {engine.list_order(request_of(row))}, "
-                             f"the data's prompt as {row['prompt_order']} (its field 'prompt_order'); evaluate the "
-                             f"valid split with the cross-fitted pre-ranker and the test split without it")
+        if "prompt_order" not in row:
+            continue
+        if getattr(engine, "preranker", None) is None:
+            raise ValueError(f"{where}:{k}: the data lists candidates in a pre-ranker's order (field "
+                             f"'prompt_order'), the engine has no pre-ranker: its data directory's build_info.json "
+                             f"does not say candidate_order: scorer")
+        if row.get("split") == "train":
+            raise ValueError(f"{where}:{k}: train prompts are ordered by the data build's teaching scorer, which the "
+                             f"engine does not carry; evaluate the valid or test split")
+        got = engine.list_order(request_of(row))
+        if got != list(row["prompt_order"]):
+            split = row.get("split", "?")
+            raise ValueError(f"{where}:{k}: the engine lists the candidates as {got}, the data's prompt as "
+                             f"{row['prompt_order']} (its field 'prompt_order'); a {split} list needs the pre-ranker "
+                             f"{'cross-fitted (engine_for_split)' if split == 'valid' else 'without cross-fitting'}"
+                             f" (the engine's: {'cross-fitted' if engine.cross_fitted else 'full model'})")
 
 
 def evaluate(engine: RerankEngine, examples: list[dict], options: DecodeOptions, batch_size: int = 8,
@@ -105,6 +117,10 @@ def evaluate(engine: RerankEngine, examples: list[dict], options: DecodeOptions,
         "retriever": summarize(floor), "vs_retriever": compare(floor, ranks),
         "ranks": ranks.tolist(),
     }
+    if any(o != list(range(len(o))) for o in shown):
+        # A pre-ranker listed the candidates: what the model adds is its difference with that order.
+        listed = new_ranks(shown, target_index)
+        report.update(listed_order=summarize(listed), vs_listed_order=compare(listed, ranks))
     if keep_outputs:
         report["outputs"] = outputs
     return report
@@ -143,6 +159,11 @@ def format_report(rep: dict) -> str:
     for k, ci in rep["vs_retriever"].items():
         lines.append(f"{k:10s} {rep['retriever'][k]:10.4f} {rep[k]:10.4f} {ci['diff']:+9.4f}  "
                      f"[{ci['ci_low']:+.4f}, {ci['ci_high']:+.4f}]")
+    if rep.get("vs_listed_order"):
+        lines.append("against the order the prompts listed (the pre-ranker's):")
+        for k, ci in rep["vs_listed_order"].items():
+            lines.append(f"{k:10s} {rep['listed_order'][k]:10.4f} {rep[k]:10.4f} {ci['diff']:+9.4f}  "
+                         f"[{ci['ci_low']:+.4f}, {ci['ci_high']:+.4f}]")
     fails = ", ".join(f"{k} {v}" for k, v in rep["failures"].items())
     lines.append(f"failures: {fails}")
     return "\n".join(lines)

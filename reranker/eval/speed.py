@@ -725,15 +725,15 @@ def run_speed_benchmark(ar_dir, diff_dir, data_dir, out_json=None, n_prompts=8, 
         dgr2 speed --ar DIR --diffusion DIR --data DIR --out docs/results/diffusion-speed-<name>.json
     """
     from reranker.engine import RerankEngine
-    from .evaluate import load_examples
+    from .evaluate import check_list_orders, engine_for_split, load_examples
 
     kw.setdefault("exact_decoders", EXACT_DECODERS)
     threads = kw.get("threads")
     if threads:  # before loading: some kernels size their pools at first use
         torch.set_num_threads(int(threads))
     data_dir = RerankEngine.data_dir_for(diff_dir, data_dir)  # None: the diffusion model's release bundle
-    engine_ar = RerankEngine.load(ar_dir, data_dir, device=device)
-    engine_diff = RerankEngine.load(diff_dir, data_dir, device=device)
+    engine_ar = engine_for_split(ar_dir, data_dir, split, device)
+    engine_diff = engine_for_split(diff_dir, data_dir, split, device)
     # settings not given: the diffusion model's recorded ones (reranker.decoding); the taus are a sweep
     given = {k: kw.pop(k, None) for k in ("commit_rule", "hold_eos", "max_new_tokens", "block_size", "window",
                                           "reuse_settled", "lookup_drafts", "compute_dtype")}
@@ -742,6 +742,7 @@ def run_speed_benchmark(ar_dir, diff_dir, data_dir, out_json=None, n_prompts=8, 
               block_size=d.block_size, window=d.window, reuse_settled=d.reuse_settled, lookup_drafts=d.lookup_drafts,
               compute_dtype=d.compute_dtype)
     examples = load_examples(Path(data_dir) / f"{split}.jsonl")
+    check_list_orders(engine_diff, examples, str(Path(data_dir) / f"{split}.jsonl"))
     rep = speed_benchmark_from_engines(engine_ar, engine_diff, examples, n_prompts, accuracy=accuracy,
                                        accuracy_limit=accuracy_limit, **kw)
     rep["models"] = {"ar": _display_path(ar_dir), "diffusion": _display_path(diff_dir),

@@ -33,10 +33,18 @@ class RLPrompt:
     ids: list[int]
     candidate_sids: list[str]  # retriever order
     target_index: int  # the target's position in that order
+    # The candidate indices in the order the prompt lists them (a pre-ranker's, reranker/data/preranker.py);
+    # None: the retriever order. The reward's incoming rank, the copy check and the fallback read it.
+    incoming: list[int] | None = None
 
     @property
     def n(self) -> int:
         return len(self.candidate_sids)
+
+    @property
+    def listed(self) -> list[int]:
+        """The candidate indices as the prompt lists them."""
+        return list(range(self.n)) if self.incoming is None else list(self.incoming)
 
 
 @dataclass
@@ -59,11 +67,13 @@ class Rollout:
     def valid(self) -> bool:
         return self.parse.ok
 
+    listed: list[int] | None = None  # its prompt's order (RLPrompt.listed)
+
     @property
     def copy(self) -> bool:
-        """A valid answer that repeats the retriever order (the degenerate policy GR2's reward fights)."""
+        """A valid answer that repeats the order its prompt listed (the degenerate policy GR2's reward fights)."""
         p = self.parse.permutation
-        return p is not None and list(p) == list(range(len(p)))
+        return p is not None and list(p) == (self.listed if self.listed is not None else list(range(len(p))))
 
 
 def load_prompts(tokenizer, records: list[dict], max_prompt_len: int, sids_path=None) -> tuple[list[RLPrompt], int]:
@@ -89,8 +99,12 @@ def load_prompts(tokenizer, records: list[dict], max_prompt_len: int, sids_path=
             cands = [sids.sid_string(c) for c in rec["candidates"]]
         if not 0 <= t < len(cands):
             raise ValueError(f"record {k}: target_index {t} outside its {len(cands)} candidates")
+        order = rec.get("prompt_order")
+        if order is not None and sorted(order) != list(range(len(cands))):
+            raise ValueError(f"record {k}: field 'prompt_order' {order} is not a permutation of its "
+                             f"{len(cands)} candidates")
         ids = _ids(tokenizer.apply_chat_template(rec["prompt_messages"], add_generation_prompt=True, tokenize=True))
-        out.append(RLPrompt(ids[-max_prompt_len:], list(cands), t))
+        out.append(RLPrompt(ids[-max_prompt_len:], list(cands), t, None if order is None else [int(j) for j in order]))
     return out, skipped
 
 
@@ -114,7 +128,8 @@ class Scorer:
     def __call__(self, prompt: RLPrompt, tokens: list[int]) -> tuple[str, ParseResult, float]:
         text = self.tokenizer.decode(tokens, skip_special_tokens=False).split(self.end, 1)[0]
         parsed = parse_ranking(text, prompt.candidate_sids)
-        return text, parsed, rank_reward(parsed.permutation, prompt.target_index, prompt.n, self.alpha)
+        return text, parsed, rank_reward(parsed.permutation, prompt.target_index, prompt.n, self.alpha,
+                                         prompt.listed.index(prompt.target_index))
 
 
 @torch.no_grad()
@@ -135,7 +150,7 @@ def generate_rollouts(policy, model, prompts: list[RLPrompt], group_size: int, s
     groups: list[list[Rollout]] = [[] for _ in prompts]
     for i, s in zip(rows, samples):
         text, parsed, reward = scorer(prompts[i], s.tokens)
-        groups[i].append(Rollout(i, s, text, parsed, reward))
+        groups[i].append(Rollout(i, s, text, parsed, reward, prompts[i].listed))
     return groups
 
 
@@ -178,15 +193,15 @@ def round_seed(seed: int, iteration: int, rnd: int, rank: int) -> int:
 
 @torch.no_grad()
 def validate_policy(policy, model, prompts, scorer, batch_size, rank=0, world=1, device="cpu") -> dict:
-    """Greedy decode of every prompt (sharded over ranks): R@1 with the retriever-order fallback,
-    valid rate, copy rate, mean reward and response length."""
+    """Greedy decode of every prompt (sharded over ranks): R@1 with the engine's fallback (the order
+    the prompt listed), valid rate, copy rate, mean reward and response length."""
     mine = D.shard(list(range(len(prompts))), rank, world)
     sums = [0.0] * 6  # hits, valid, copy, reward, tokens, n
     gen = torch.Generator(device=device).manual_seed(0)  # unused by greedy decoding
     for a in range(0, len(mine), batch_size):
         ps = [prompts[i] for i in mine[a:a + batch_size]]
         for p, (r,) in zip(ps, generate_rollouts(policy, model, ps, 1, scorer, gen, batch_size, greedy=True)):
-            first = r.parse.permutation[0] if r.valid else 0
+            first = r.parse.permutation[0] if r.valid else p.listed[0]
             parts = [first == p.target_index, r.valid, r.copy, r.reward, len(r.sample.tokens), 1]
             sums = [x + float(y) for x, y in zip(sums, parts)]
     hits, valid, copy, reward, tokens, n = D.all_reduce_sum(sums, device)

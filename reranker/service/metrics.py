@@ -9,7 +9,7 @@ share or double-register a metric. The metrics:
                                               waiting or decoding): at most --max-queue
     dgr2_batch_size{decoder}                  requests per batched decode
     dgr2_rerank_results_total{decoder}        requests a decode answered
-    dgr2_fallbacks_total{decoder}             of those, answered in the retriever order; the fallback
+    dgr2_fallbacks_total{decoder}             of those, answered in the listed order; the fallback
                                               rate is rate(fallbacks) / rate(rerank_results)
     dgr2_tokens_per_forward{decoder}          per batch: generated tokens per row / forward passes
                                               (AR: 1; block diffusion: the tokens a step commits)
@@ -38,8 +38,9 @@ class ServiceMetrics:
         self.batch_size = Histogram("dgr2_batch_size", "requests per batched decode", ["decoder"],
                                     buckets=BATCH_BUCKETS, registry=r)
         self.results = Counter("dgr2_rerank_results", "requests a decode answered", ["decoder"], registry=r)
-        self.fallbacks = Counter("dgr2_fallbacks", "requests answered in the retriever order (the model's answer "
-                                 "was not a valid permutation, or the decode failed)", ["decoder"], registry=r)
+        self.fallbacks = Counter("dgr2_fallbacks", "requests answered in the order their prompt listed (the "
+                                 "model's answer was not a valid permutation, or the decode failed)", ["decoder"],
+                                 registry=r)
         self.tokens_per_forward = Histogram("dgr2_tokens_per_forward", "per batch: generated tokens per row / "
                                             "forward passes", ["decoder"], buckets=TOKENS_PER_FORWARD_BUCKETS,
                                             registry=r)

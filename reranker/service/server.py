@@ -67,8 +67,14 @@ class _Abandoned(Exception):
     """Raised inside the model's forward when every caller of the running batch has gone."""
 
 
-def _fallback(n: int, failure: str) -> RerankResult:
-    return RerankResult(permutation=list(range(n)), valid=False, fallback=True, failure=failure, reasoning="",
+def _fallback(engine, req: RerankRequest, failure: str) -> RerankResult:
+    """The answer of a request whose decode failed: the order its prompt lists (the retriever's, or
+    the model's pre-ranker's), as for an invalid answer; the retriever's if even that fails."""
+    try:
+        order = engine.list_order(req) if hasattr(engine, "list_order") else list(range(len(req.candidates)))
+    except Exception:  # noqa: BLE001 -- the fallback of a failed decode must not fail too
+        order = list(range(len(req.candidates)))
+    return RerankResult(permutation=order, valid=False, fallback=True, failure=failure, reasoning="",
                         text="", generated_tokens=0, forward_passes=0, decode_seconds=0.0)
 
 
@@ -120,6 +126,8 @@ class RerankerService(pb_grpc.RerankerServicer):
         self.decoder_max_batch = check_decoder_max_batch(decoder_max_batch)
         limits = limits or ServiceLimits()
         self.diffusion_available = getattr(engine, "diffusion", None) is not None
+        # a model with a pre-ranker orders the candidates by features of their retriever scores
+        self._needs_scores = getattr(engine, "preranker", None) is not None
         self.defaults = default_options(engine, limits)
         if self.defaults.decoder == "diffusion" and not self.diffusion_available:
             raise ValueError("decoder 'diffusion' needs a converted model (dgr2 convert); this one is AR only")
@@ -203,14 +211,14 @@ class RerankerService(pb_grpc.RerankerServicer):
                 except ValueError as err:
                     bad[i] = ValidationError("candidates", f"the model cannot take this request: {err}")
             if not bad:
-                log.exception("decode failed; returning the retriever order")
-                return [_fallback(len(r.candidates), "decode_error") for r in requests]
+                log.exception("decode failed; returning the listed order")
+                return [_fallback(self.engine, r, "decode_error") for r in requests]
             good = [i for i in range(len(requests)) if i not in bad]
             done = dict(zip(good, self._rerank_isolating([preps[i] for i in good]))) if good else {}
             return [bad.get(i, done.get(i)) for i in range(len(requests))]
-        except Exception:  # noqa: BLE001 -- the contract is an answer in retriever order, not an error
-            log.exception("decode failed; returning the retriever order")
-            return [_fallback(len(r.candidates), "decode_error") for r in requests]
+        except Exception:  # noqa: BLE001 -- the contract is an answer in the listed order, not an error
+            log.exception("decode failed; returning the listed order")
+            return [_fallback(self.engine, r, "decode_error") for r in requests]
 
     def warm_up(self) -> None:
         """One tiny decode per available decoder (first forward passes allocate and compile), on
@@ -312,7 +320,7 @@ class RerankerService(pb_grpc.RerankerServicer):
         with await self._admit(context) as admission, self._tracked():
             try:
                 prep = validate_rerank(request, self.engine.known, self.limits, self.diffusion_available,
-                                       self.defaults)
+                                       self.defaults, needs_scores=self._needs_scores)
             except ValidationError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             await self._render(prep, context)
@@ -338,7 +346,7 @@ class RerankerService(pb_grpc.RerankerServicer):
                 rerank = pb.RerankRequest(user_id=request.user_id, history=history, options=request.options,
                                           candidates=[pb.Candidate(item_id=i, score=s) for i, s in zip(items, scores)])
                 prep = validate_rerank(rerank, self.engine.known, self.limits, self.diffusion_available,
-                                       self.defaults)
+                                       self.defaults, history_len=len(request.history))
             except ValidationError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             prep.history_truncated = truncated

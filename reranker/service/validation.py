@@ -111,7 +111,11 @@ def truncate_history(history, limits: ServiceLimits) -> tuple[list[str], bool]:
 
 
 def validate_rerank(req: pb.RerankRequest, known: Callable[[str], bool], limits: ServiceLimits,
-                    diffusion_available: bool, defaults: DecodeOptions | None = None) -> Prepared:
+                    diffusion_available: bool, defaults: DecodeOptions | None = None, needs_scores: bool = False,
+                    history_len: int | None = None) -> Prepared:
+    """The checked request. needs_scores: the model's pre-ranker reads the candidates' scores, so a
+    request whose scores are all 0 (proto3's unset value) is refused; history_len: the history's
+    length before a caller cut it (Recommend), else the request's own."""
     size = req.ByteSize()
     if size > limits.max_message_bytes:
         raise ValidationError("request", f"{size} bytes; at most {limits.max_message_bytes}")
@@ -138,10 +142,15 @@ def validate_rerank(req: pb.RerankRequest, known: Callable[[str], bool], limits:
         seen[cand.item_id] = i
         ids.append(cand.item_id)
         scores.append(float(cand.score))
+    if needs_scores and not any(scores):
+        raise ValidationError("candidates", "every score is 0 (unset?); this model's pre-ranker orders the "
+                                            "candidates by features of their retriever scores: send them")
     history, truncated = truncate_history(req.history, limits)
     options, top_k, reasoning = validate_options(req.options, limits, diffusion_available, n, defaults)
     unknown = sum(1 for h in history if not known(h))  # the engine leaves these out of the prompt
-    return Prepared(RerankRequest(history=history, candidates=ids, scores=scores, user=req.user_id or None),
+    whole = len(req.history) if history_len is None else int(history_len)
+    return Prepared(RerankRequest(history=history, candidates=ids, scores=scores, user=req.user_id or None,
+                                  history_len=whole),
                     options, scores, top_k, reasoning, truncated, unknown)
 
 

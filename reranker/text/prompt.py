@@ -24,8 +24,9 @@ class PromptProfile:
     legend: bool  # explain the evidence fields once (costs ~45 tokens)
     max_name_chars: int  # cap on a category or brand name (rare brand names cost many tokens)
     names: bool = True  # category and brand names on each line (False: SIDs and evidence only)
-    # A last line listing the candidate SIDs in retriever order, written as the answer writes them.
-    # Why: most of an answer is "the rest in retriever order", and a small model copies a list
+    # A last line listing the candidate SIDs in the listed order (the retriever's or a pre-ranker's),
+    # written as the answer writes them. Why: most of an answer is "the rest in <that> order", and a
+    # small model copies a list
     # laid out like its output far more easily than SIDs ~20 tokens apart on evidence lines
     # (docs/EXPERIMENTS.md, "A retriever-order line"). Costs ~10 tokens per candidate.
     order_line: bool = False
@@ -249,11 +250,12 @@ def render_order_line(candidate_sids: Sequence[str], candidate_order: str = "ret
 
 
 def prompt_candidate_order(user_text: str) -> str:
-    """Which order a rendered prompt lists its candidates in (its header says), "retriever" or "scorer"."""
+    """Which order a rendered prompt lists its candidates in, as its header says: "scorer" under the
+    pre-ranker's header, else "retriever" (a prompt without a header lists them as they came)."""
     for name, header in CANDIDATES_HEADERS.items():
         if "\n" + header in user_text or user_text.startswith(header):
             return name
-    raise ValueError(f"prompt has none of the candidate headers {list(CANDIDATES_HEADERS.values())}")
+    return "retriever"
 
 
 _CANDIDATE_LINE = re.compile(r"^\d+\.(" + SID_RE.pattern + r")", re.M)

@@ -11,8 +11,8 @@ One iteration (steps 1-2: rollouts.collect; step 3: update):
      surrogate (ε_low / ε_high), token-level normalized over the mini-batch's action tokens.
      logp_old is what the decoder recorded while sampling; logp_new is the policy's `logprobs`
      under the current weights (with the default ppo_epochs = 1 the update is on-policy).
-Validation: greedy decode of the valid prompts -> R@1 (invalid answers fall back to the retriever
-order, as in evaluation), valid rate, copy rate; the output is the model with the best valid
+Validation: greedy decode of the valid prompts -> R@1 (invalid answers fall back to the order the
+prompt listed, as in evaluation), valid rate, copy rate; the output is the model with the best valid
 (R@1, valid rate), the input model included (iteration 0).
 
 A policy has `name`, `sample(model, prompt_ids, generator, greedy=False)` -> rollouts.Sample per

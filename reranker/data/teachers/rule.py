@@ -153,19 +153,22 @@ class CrossFittedScorer:
 
     def predict_lists(self, feature_blocks: Sequence[np.ndarray], users: Sequence[str]) -> list[np.ndarray]:
         """Scores per list, one batched predict per model."""
-        out: list[np.ndarray | None] = [None] * len(feature_blocks)
-        by_model: dict[int, list[int]] = {}
-        models = {}
-        for i, u in enumerate(users):
-            m = self.scorer_for(u)
-            by_model.setdefault(id(m), []).append(i)
-            models[id(m)] = m
-        for key, idx in by_model.items():
-            scores = models[key].predict(np.concatenate([feature_blocks[i] for i in idx]))
-            sizes = np.cumsum([len(feature_blocks[i]) for i in idx])[:-1]
-            for i, s in zip(idx, np.split(scores, sizes)):
-                out[i] = s
-        return out  # type: ignore[return-value]
+        return predict_per_model([self.scorer_for(u) for u in users], feature_blocks)
+
+
+def predict_per_model(models: Sequence[LtrScorer], feature_blocks: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Each list's scores by its own model (``models[i]`` scores ``feature_blocks[i]``), with one
+    batched predict per distinct model."""
+    out: list[np.ndarray | None] = [None] * len(feature_blocks)
+    by_model: dict[int, list[int]] = {}
+    for i, m in enumerate(models):
+        by_model.setdefault(id(m), []).append(i)
+    for idx in by_model.values():
+        scores = models[idx[0]].predict(np.concatenate([feature_blocks[i] for i in idx]))
+        sizes = np.cumsum([len(feature_blocks[i]) for i in idx])[:-1]
+        for i, s in zip(idx, np.split(scores, sizes)):
+            out[i] = s
+    return out  # type: ignore[return-value]
 
 
 def fit_cross_fitted(X, groups, labels, users, folds: int, config: ScorerConfig | None = None,

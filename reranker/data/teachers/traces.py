@@ -58,7 +58,7 @@ _NO_COMPLEMENT = (
 # Every reason `_why_first` can give; `retrace` finds the one an existing trace used.
 WHY_FIRST = (
     "strongest co-purchase after the last item", "co-bought after recent items", "brand and category fit",
-    "category fit", "brand loyalty", "the retriever's top choice", "a low-evidence pick",
+    "category fit", "brand loyalty", "the retriever's top choice", "a low-evidence pick", "the scorer's top choice",
 )
 TRACE_STYLES = ("full", "brief")
 _DECISION = (
@@ -299,7 +299,7 @@ def scan_trace(candidate_sids: Sequence[str], counts: Sequence, head: str = SCAN
     why = ("strongest co-purchase after the last item" if key[0] > 0 else
            "co-bought after recent items" if any(key) else
            "same brand as the history" if brands is not None and brands[first] > 0 else
-           "the retriever's top choice")
+           f"the {candidate_order}'s top choice")
     # The top scans name their second and third with SIDs too ("then #2.<sid>, #4.<sid>, then the
     # rest ..."): the answer then copies each from the trace just above it. Named by number alone,
     # the answer had to look them up in the prompt, and a demo-sized model mostly wrote the first
@@ -315,8 +315,8 @@ def scan_trace(candidate_sids: Sequence[str], counts: Sequence, head: str = SCAN
 def rest_text(ranking: Sequence[int], cited: int = 3, candidate_order: str = "retriever") -> str:
     """What the ranking does below its head, e.g. "#3, then the rest in retriever order" (the order
     the prompt lists the candidates in, which ``candidate_order`` names)."""
-    # Where it keeps the retriever order from some point on, say so (then the answer follows from
-    # the trace and the prompt).
+    # Where it keeps the listed order from some point on, say so (then the answer follows from the
+    # trace and the prompt).
     tail_from = len(ranking)
     while tail_from > 1 and sorted(ranking[tail_from - 1:]) == list(ranking[tail_from - 1:]):
         tail_from -= 1

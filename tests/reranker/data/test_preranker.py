@@ -154,6 +154,12 @@ def test_the_engine_renders_the_datas_prompts_and_falls_back_to_their_order(scor
         out = engine.rerank([request_of(row) for row in rows[:4]], DecodeOptions(decoder="ar", max_new_tokens=6))
         for res, row in zip(out, rows):  # an untrained model's answer is invalid: the prompt's order stands
             assert res.fallback and res.permutation == row["prompt_order"] == res.list_order
+        from reranker.eval.evaluate import evaluate
+
+        rep = evaluate(engine, rows, DecodeOptions(decoder="ar", max_new_tokens=6), progress=False)
+        assert rep["copy_order_rate"] == 1.0  # every answer is the listed order: the pre-ranker's, not identity
+        assert rep["vs_listed_order"]["recall@1"] == {"diff": 0.0, "ci_low": 0.0, "ci_high": 0.0}
+        assert rep["listed_order"]["recall@1"] == rep["recall@1"]
     # the valid lists scored by the full model (which was fitted on them) are refused
     with pytest.raises(ValueError, match=r"valid\.jsonl:\d+: the engine lists the candidates as"):
         check_list_orders(RerankEngine.load(tiny_model, data), load_split(data, "valid"), str(data / "valid.jsonl"))
@@ -185,3 +191,43 @@ def test_a_release_bundle_carries_the_full_preranker_and_its_counts(scored, tmp_
     (tmp_path / "train_sequences.json.gz").write_bytes(b"not gzip")
     with pytest.raises(ValueError, match="train_sequences.json.gz: not gzipped JSON"):
         read_train_sequences(tmp_path / "train_sequences.json.gz")
+
+
+def test_copy_drills_and_a_retraced_directory_keep_the_pre_rankers_order(scored, tiny_model, tmp_path):
+    from reranker.data.copy_warmup import full_prompt_copy_example, reorder_for_uniform_pick
+    from reranker.data.retrace import retrace_data
+    from reranker.eval.evaluate import check_list_orders, engine_for_split
+    import random
+
+    data, r, items = scored
+    row = load_split(data, "valid")[0]
+    rec = full_prompt_copy_example(row, 2)  # "#3" is the prompt's third line: the pre-ranker's third
+    shown = prompt_candidate_sids(_user(row))
+    answer = json.loads(rec["assistant"].split("</think>\n")[1])["ranking"]
+    assert answer == [shown[2]] + [s for k, s in enumerate(shown) if k != 2]
+    assert rec["prompt_messages"][1]["content"].endswith("Put #3 first, then the rest in scorer order.")
+    assert "then the rest in scorer order" in rec["assistant"]
+    with pytest.raises(ValueError, match="uniform_pick shuffles a retriever-ordered prompt"):
+        reorder_for_uniform_pick(row, "scan_brand", random.Random(0))
+    retrace_data(data, tmp_path / "top3", style="scan_brand_top3", progress=False)  # carries preranker/ along
+    valid = load_split(tmp_path / "top3", "valid")
+    check_list_orders(engine_for_split(tiny_model, tmp_path / "top3", "valid"), valid, "top3/valid.jsonl")
+    for row in valid:  # the decision numbers its pick as the prompt does
+        pick = row["ranking"][0]
+        assert f"#{row['prompt_order'].index(pick) + 1}.{row['candidate_sids'][pick]} first" in row["reasoning"]
+
+
+def test_the_baselines_follow_build_info_not_a_leftover_directory(scored, tmp_path):
+    import shutil
+
+    from reranker.eval.baselines import learned_scorer
+
+    data, r, items = scored
+    copy = tmp_path / "data"
+    shutil.copytree(data, copy)
+    info = json.loads((copy / "build_info.json").read_text())
+    ctx = _features(r, items)
+    assert learned_scorer(copy, ctx).full.model_text() == PreRanker.load(data / "preranker").full.model_text()
+    (copy / "build_info.json").write_text(json.dumps({**info, "candidate_order": "retriever"}))
+    refit = learned_scorer(copy, ctx)  # fitted again from the lists, as for retriever-ordered data
+    assert refit.full.info["fitted_lists"] == PreRanker.load(data / "preranker").full.info["fitted_lists"]

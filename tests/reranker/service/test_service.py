@@ -1032,3 +1032,25 @@ def test_a_data_dir_without_its_retrieval_run_names_what_is_missing(dirs, tmp_pa
         RerankEngine.load(dirs["diffusion"], data)
     shutil.copy(dirs["root"] / "items.item", tmp_path / "items.item")
     assert RerankEngine.load(dirs["diffusion"], data).known(ITEMS[0])
+
+
+def test_a_pre_ranked_model_needs_scores_and_gets_the_whole_history_length():
+    """A model with a pre-ranker orders candidates by features of their scores and of the history's
+    length: a request whose scores are all unset is refused naming the field, and Recommend's cut
+    history still reports its whole length; a failed decode answers the listed order."""
+    from reranker.service.server import _fallback
+    from reranker.service.validation import ValidationError, validate_rerank
+
+    req = pb.RerankRequest(user_id="u", history=[f"h{k}" for k in range(5)],
+                           candidates=[pb.Candidate(item_id=f"c{k}") for k in range(3)])
+    limits = ServiceLimits(max_new_tokens=24, max_history=2)
+    with pytest.raises(ValidationError, match="candidates: every score is 0"):
+        validate_rerank(req, lambda i: True, limits, False, needs_scores=True)
+    prep = validate_rerank(req, lambda i: True, limits, False)  # a model without one: zeros are fine
+    assert prep.request.history == ["h3", "h4"] and prep.request.history_len == 5
+    prep = validate_rerank(req, lambda i: True, limits, False, history_len=40)
+    assert prep.request.history_len == 40
+    listed = SimpleNamespace(list_order=lambda r: [2, 0, 1])
+    assert _fallback(listed, prep.request, "decode_error").permutation == [2, 0, 1]
+    broken = SimpleNamespace(list_order=lambda r: 1 / 0)
+    assert _fallback(broken, prep.request, "decode_error").permutation == [0, 1, 2]

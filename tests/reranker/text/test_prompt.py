@@ -271,7 +271,7 @@ def test_reorder_candidates_renumbers_the_lines_and_rewrites_the_order_line():
         reorder_candidates(user, sids, [0, 0, 1])
     with pytest.raises(ValueError, match="candidate line 2"):
         reorder_candidates(user.replace("2.<s1>", "<s1>"), sids, [2, 0, 1])
-    with pytest.raises(ValueError, match="none of the candidate headers"):
+    with pytest.raises(ValueError, match="section with 3 numbered lines"):
         reorder_candidates("no candidates here", sids, [2, 0, 1])
     with pytest.raises(ValueError, match="section with 3 numbered lines"):
         reorder_candidates(user.split("\n3.")[0], sids, [2, 0, 1])
