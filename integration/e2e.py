@@ -5,9 +5,9 @@ is retrained), the same RecBole config (full sort, leave-one-out test split, Rec
 and the same test users; only the re-ranker plugged into `SASRecReranked` changes. History items are
 masked in every row (see integration/recbole_model.py).
 
-Where the re-ranking data was built with a pre-ranker (`candidate_order: scorer`), a row "SASRec +
-pre-ranker" comes second: the learned scorer's order alone, which every language-model row's prompt
-lists and falls back to, so what the model adds to it is a row apart.
+Where the run's re-ranking data was built with a pre-ranker (`candidate_order: scorer`), a row
+"SASRec + pre-ranker" comes second (with no --reranker too): the learned scorer's order alone, which
+every language-model row's prompt lists and falls back to, so what the model adds to it is a row apart.
 
 Writes docs/results/recbole-e2e-<name>.json (schema: integration/bench.py `recbole_section`).
 """
@@ -142,7 +142,8 @@ def run_e2e(cfg: dict, rerankers: list[tuple[str, str, str]], n_users: int | Non
         rows = []
         per_user: dict[str, dict[int, int]] = {}
         n_boot = int(ev.get("n_boot", 2000))
-        pre_ranked = rerankers and json.loads((rerank_data / "build_info.json").read_text()).get(
+        info_path = rerank_data / "build_info.json"
+        pre_ranked = info_path.is_file() and json.loads(info_path.read_text()).get(
             "candidate_order", "retriever") != "retriever"
         # named by its place in the run, not by a path of this machine (the row is published)
         pre_row = [(PRERANKER_ROW, "rerank_data/preranker", None)] if pre_ranked else []
