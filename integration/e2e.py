@@ -88,6 +88,7 @@ def run_e2e(cfg: dict, rerankers: list[tuple[str, str, str]], n_users: int | Non
     from candidate_gen.recbole_compat import recbole_compat
     from candidate_gen.sasrec import recbole_config_dict
 
+    from reranker.data.preranker import preranker_dir
     from reranker.engine import PreRankerOrder
 
     from .recbole_model import SASRecReranked
@@ -143,8 +144,7 @@ def run_e2e(cfg: dict, rerankers: list[tuple[str, str, str]], n_users: int | Non
         per_user: dict[str, dict[int, int]] = {}
         n_boot = int(ev.get("n_boot", 2000))
         info_path = rerank_data / "build_info.json"
-        pre_ranked = info_path.is_file() and json.loads(info_path.read_text()).get(
-            "candidate_order", "retriever") != "retriever"
+        pre_ranked = info_path.is_file() and preranker_dir(rerank_data, json.loads(info_path.read_text())) is not None
         # named by its place in the run, not by a path of this machine (the row is published)
         pre_row = [(PRERANKER_ROW, "rerank_data/preranker", None)] if pre_ranked else []
         for rname, model_dir, decoder in [("SASRec alone", None, None), *pre_row, *rerankers]:

@@ -86,6 +86,7 @@ def _write_evidence(data_dir: Path, bundle: Path) -> dict:
     build_info.json then names those files instead of the retrieval artifacts."""
     from reranker.engine import RerankEngine
     from reranker.data.evidence import save_item_catalog
+    from reranker.data.preranker import preranker_dir
     from reranker.text.sid import SemanticIds
 
     info = json.loads((data_dir / "build_info.json").read_text(encoding="utf-8"))
@@ -97,7 +98,7 @@ def _write_evidence(data_dir: Path, bundle: Path) -> dict:
     out = {k: info[k] for k in BUILD_INFO_KEEP if k in info}
     out.update(paths_relative_to="the directory of this file", evidence_files=dict(EVIDENCE_FILES),
                artifacts={"sids": "sids.json"})
-    if info.get("candidate_order", "retriever") != "retriever":
+    if preranker_dir(data_dir, info) is not None:
         _write_preranker(data_dir, info, bundle)
         out["evidence_files"]["train_sequences"] = PRERANKER_FILES["train_sequences"]
         out["artifacts"]["preranker"] = PRERANKER_FILES["preranker"]
@@ -114,13 +115,12 @@ def _write_preranker(data_dir: Path, info: dict, bundle: Path) -> None:
     only the run's valid lists) and the training sequences its features count over."""
     import gzip
 
-    from candidate_gen.split import train_sequences
-    from reranker.data.preranker import PreRanker
+    from reranker.data.preranker import PreRanker, preranker_dir
+    from reranker.engine import RerankEngine
 
-    pre = PreRanker.load(data_dir / (info.get("artifacts") or {}).get("preranker", "preranker"))
+    pre = PreRanker.load(preranker_dir(data_dir, info))
     PreRanker(pre.full, [None] * len(pre.folds), pre.seed).save(bundle / PRERANKER_FILES["preranker"])
-    seqs = train_sequences(json.loads(((data_dir / info["retrieval_dir"]).resolve() / "sequences.json")
-                                      .read_text(encoding="utf-8")))
+    seqs = RerankEngine.train_sequences_of(data_dir, info)
     # mtime 0: the same sequences give the same bytes (release.json records every file's sha256)
     with gzip.GzipFile(bundle / PRERANKER_FILES["train_sequences"], "wb", mtime=0) as f:
         f.write(json.dumps(seqs, sort_keys=True, separators=(",", ":")).encode("utf-8"))

@@ -164,36 +164,36 @@ class RerankEngine:
         """(pre-ranker, its FeatureContext) of data built with candidate_order: scorer, else (None, None).
         ``copurchase``: the counts load_evidence read (the features count with the same ones)."""
         from reranker.data.features import FeatureContext
-        from reranker.data.preranker import CANDIDATE_ORDERS, PreRanker
+        from reranker.data.preranker import PreRanker, preranker_dir
 
-        order = info.get("candidate_order", "retriever")
-        if order not in CANDIDATE_ORDERS:
-            raise ValueError(f"{Path(data_dir) / 'build_info.json'}: field 'candidate_order': expected one of "
-                             f"{CANDIDATE_ORDERS}, got {order!r}")
-        if order == "retriever":
+        where = preranker_dir(data_dir, info)
+        if where is None:
             return None, None
-        data_dir = Path(data_dir)
-        preranker = PreRanker.load(data_dir / (info.get("artifacts") or {}).get("preranker", "preranker"))
-        files = info.get("evidence_files")
         window = int((info.get("copurchase") or {}).get("window", 1))
+        return PreRanker.load(where), FeatureContext(RerankEngine.train_sequences_of(data_dir, info), meta,
+                                                     window=window, copurchase=copurchase)
+
+    @staticmethod
+    def train_sequences_of(data_dir, info: dict) -> dict[str, list[str]]:
+        """The training sequences a data directory's evidence counts over: a release bundle's saved
+        ones, else its retrieval run's (each user's last two items removed)."""
+        from candidate_gen.split import train_sequences
+
+        data_dir = Path(data_dir)
+        files = info.get("evidence_files")
         if files:  # a release bundle: the training sequences it saved
             if not files.get("train_sequences"):
                 raise ValueError(f"{data_dir / 'build_info.json'}: evidence_files lacks 'train_sequences', "
                                  "which the pre-ranker's features need")
-            seqs = read_train_sequences(data_dir / files["train_sequences"])
-        else:
-            from candidate_gen.split import train_sequences
-
-            seqs = train_sequences(json.loads(((data_dir / info["retrieval_dir"]).resolve() / "sequences.json")
-                                              .read_text(encoding="utf-8")))
-        return preranker, FeatureContext(seqs, meta, window=window, copurchase=copurchase)
+            return read_train_sequences(data_dir / files["train_sequences"])
+        path = (data_dir / info["retrieval_dir"]).resolve() / "sequences.json"
+        return train_sequences(json.loads(path.read_text(encoding="utf-8")))
 
     @staticmethod
     def load_evidence(data_dir, info: dict):
         """(co-purchase counts, item catalog) of a data directory, from its build_info.json `info`.
         Paths in build_info.json are relative to the data directory."""
         from candidate_gen.atomic import load_items
-        from candidate_gen.split import train_sequences
 
         from reranker.data.evidence import item_meta_lookup, load_item_catalog
 
@@ -216,8 +216,7 @@ class RerankEngine:
                     f"{data_dir / 'build_info.json'}: {key} {info[key]!r} names {path}, which is missing; a data "
                     f"directory reads its evidence from the retrieval run it was built from, so move them "
                     f"together (or serve a release bundle, `dgr2 release`, which carries its own)")
-        seqs = json.loads(sequences.read_text())
-        copurchase = CoPurchaseCounts.fit(train_sequences(seqs),
+        copurchase = CoPurchaseCounts.fit(RerankEngine.train_sequences_of(data_dir, info),
                                           window=int((info.get("copurchase") or {}).get("window", 1)))
         return copurchase, item_meta_lookup(load_items(items_path).to_frame())
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from candidate_gen.files import iter_jsonl, write_jsonl
 
 from reranker.data.retrace import copy_support_files
-from reranker.text.prompt import CANDIDATES_HEADERS, ORDER_LINE_PREFIX, prompt_candidate_sids, render_order_line
+from reranker.text.prompt import CANDIDATES_HEADERS, ORDER_LINE_PREFIXES, prompt_candidate_sids, render_order_line
 
 
 def add_order_line(record: dict) -> dict:
@@ -23,7 +23,7 @@ def add_order_line(record: dict) -> dict:
     body = messages[-1]["content"].rstrip("\n")
     if CANDIDATES_HEADERS["scorer"] in body:
         raise ValueError("the prompt lists its candidates in scorer order, which has its own order line")
-    if "\n" + ORDER_LINE_PREFIX in body:
+    if "\n" + ORDER_LINE_PREFIXES["retriever"] in body:
         raise ValueError("the prompt already has a retriever-order line")
     sids = prompt_candidate_sids(body)
     if not sids or "\n" not in body:

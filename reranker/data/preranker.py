@@ -39,6 +39,18 @@ FOLDS = 2  # user halves the valid lists' models are cross-fitted over
 CANDIDATE_ORDERS = ("retriever", "scorer")  # what a prompt's candidate list follows
 
 
+def preranker_dir(data_dir, info: Mapping) -> Path | None:
+    """Where the pre-ranker of a data directory or release bundle is, from its build_info.json
+    ``info``; None for data whose prompts keep the retriever's order."""
+    order = info.get("candidate_order", "retriever")
+    if order not in CANDIDATE_ORDERS:
+        raise ValueError(f"{Path(data_dir) / 'build_info.json'}: field 'candidate_order': expected one of "
+                         f"{CANDIDATE_ORDERS}, got {order!r}")
+    if order == "retriever":
+        return None
+    return Path(data_dir) / (info.get("artifacts") or {}).get("preranker", "preranker")
+
+
 def user_fold(user: str, folds: int, seed: int) -> int:
     """A user's fold: a seeded hash, so it does not depend on which lists are loaded."""
     return zlib.crc32(f"{seed}:{user}".encode()) % folds

@@ -48,7 +48,7 @@ from candidate_gen.split import train_sequences
 from reranker.data.dataset import load_retrieval, load_split, scorer_settings
 from reranker.data.evidence import item_meta_lookup
 from reranker.data.features import FEATURE_NAMES, FeatureContext
-from reranker.data.preranker import PreRanker, order_by
+from reranker.data.preranker import PreRanker, order_by, preranker_dir
 from reranker.eval.metrics import compare, new_ranks, summarize
 
 _CP_LAST = FEATURE_NAMES.index("copurchase_last1")
@@ -79,8 +79,9 @@ def learned_scorer(data_dir: Path, ctx: FeatureContext, seed: int = 0) -> PreRan
     `scorer_lists` with the data build's scorer settings; None when fewer than two lists have a target."""
     info_path = data_dir / "build_info.json"
     info = json.loads(info_path.read_text(encoding="utf-8")) if info_path.is_file() else {}
-    if info.get("candidate_order", "retriever") != "retriever":  # what the build_info says, not a leftover dir
-        return PreRanker.load(data_dir / (info.get("artifacts") or {}).get("preranker", "preranker"))
+    where = preranker_dir(data_dir, info)  # what the build_info says, not a leftover directory
+    if where is not None:
+        return PreRanker.load(where)
     rows = scorer_lists(data_dir)
     if len(rows) < 2:
         return None

@@ -67,13 +67,13 @@ class Rollout:
     def valid(self) -> bool:
         return self.parse.ok
 
-    listed: list[int] | None = None  # its prompt's order (RLPrompt.listed)
+    listed: list[int]  # its prompt's order (RLPrompt.listed)
 
     @property
     def copy(self) -> bool:
         """A valid answer that repeats the order its prompt listed (the degenerate policy GR2's reward fights)."""
         p = self.parse.permutation
-        return p is not None and list(p) == (self.listed if self.listed is not None else list(range(len(p))))
+        return p is not None and list(p) == self.listed
 
 
 def load_prompts(tokenizer, records: list[dict], max_prompt_len: int, sids_path=None) -> tuple[list[RLPrompt], int]:

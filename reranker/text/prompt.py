@@ -240,8 +240,6 @@ def render_prompt_within_budget(
 # What the numbered candidate list follows, as the prompt's header and its order line name it.
 CANDIDATES_HEADERS = {"retriever": "Candidates (retriever order).", "scorer": "Candidates (scorer order)."}
 ORDER_LINE_PREFIXES = {"retriever": "Retriever order: ", "scorer": "Scorer order: "}
-CANDIDATES_HEADER = CANDIDATES_HEADERS["retriever"]
-ORDER_LINE_PREFIX = ORDER_LINE_PREFIXES["retriever"]
 
 
 def render_order_line(candidate_sids: Sequence[str], candidate_order: str = "retriever") -> str:
